@@ -1,0 +1,168 @@
+"""PyTorch-version shims: the only module that asks which PyTorch is running.
+
+Everything that behaves differently across the supported PyTorch releases (>= 2.6)
+is decided here, from :data:`TORCH_VERSION`, so that the rest of the package never
+compares versions. Each decision is a plain function of explicit inputs (the version
+among them) so that tests can check it for every release of the nox matrix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+from packaging.version import InvalidVersion, Version
+
+__all__ = [
+    "MIN_TORCH",
+    "PINNED_ALLOC_IN_CAPTURE",
+    "TORCH_VERSION",
+    "capture_buffer_policy",
+    "fused_optimizer_supported",
+    "is_current_stream_capturing",
+    "is_fake_or_functional",
+    "parse_torch_version",
+    "pinned_alloc_in_capture_supported",
+    "queue_backward_callback",
+]
+
+#: Oldest PyTorch release this package supports.
+MIN_TORCH = Version("2.6")
+
+#: First release whose caching host allocator works with CUDA graph memory pools
+#: (pytorch#167507), so that pinned host memory can be allocated during capture.
+PINNED_ALLOC_IN_CAPTURE = Version("2.11")
+
+
+def parse_torch_version(version: str) -> Version:
+    """Parse a ``torch.__version__`` string, local suffixes and pre-releases included.
+
+    Args:
+        version: A string such as ``"2.10.0+cu128"``, ``"2.11.0a0+git123"`` or
+            ``"2.13.0+cpu"``.
+
+    Returns:
+        The :class:`packaging.version.Version` of the release *without* its local
+        suffix (``+cu128``), so that builds of one release compare equal.
+
+    Raises:
+        ValueError: If ``version`` is not a PEP 440 version.
+    """
+    try:
+        parsed = Version(str(version))
+    except InvalidVersion as err:
+        raise ValueError(f"cannot parse the PyTorch version {version!r}") from err
+    return Version(parsed.public)
+
+
+#: The running PyTorch release (without local suffix).
+TORCH_VERSION = parse_torch_version(torch.__version__)
+
+
+def _release(version: Version) -> tuple[int, ...]:
+    # Compare on the release tuple: a pre-release or nightly such as 2.11.0a0 is built
+    # from the 2.11 branch and already carries that branch's features.
+    return version.release[:2]
+
+
+def pinned_alloc_in_capture_supported(version: Version | str | None = None) -> bool:
+    """Whether pinned host memory can be allocated while a CUDA graph is captured.
+
+    Args:
+        version: The PyTorch version to ask about; the running one by default.
+
+    Returns:
+        True from PyTorch 2.11 on (nightlies of 2.11 included), False before.
+    """
+    v = TORCH_VERSION if version is None else parse_torch_version(str(version))
+    return _release(v) >= _release(PINNED_ALLOC_IN_CAPTURE)
+
+
+def capture_buffer_policy(
+    retain_pinned_cpu_buffers: bool,
+    capturing: bool,
+    version: Version | str | None = None,
+) -> Literal["retained", "pool"]:
+    """Decide where an offloaded layer's host buffers come from.
+
+    This is the single decision behind ``retain_pinned_cpu_buffers``:
+
+    * ``"retained"``: each layer keeps its pinned buffers at fixed addresses across
+      iterations (what the caller asked for).
+    * ``"pool"``: buffers come from the shared pinned pool and may be allocated now.
+
+    Below PyTorch 2.11 pinned memory cannot be allocated during CUDA graph capture, so
+    a capture without retained buffers is refused here, before anything is captured,
+    with an error that names the fix. We refuse rather than turning retention on
+    silently: retained buffers must already exist from an eager (warm-up) iteration,
+    which a switch made at capture time cannot provide.
+
+    Args:
+        retain_pinned_cpu_buffers: The caller's flag.
+        capturing: Whether a CUDA graph capture is in progress on the current stream.
+        version: The PyTorch version; the running one by default.
+
+    Returns:
+        ``"retained"`` or ``"pool"``.
+
+    Raises:
+        RuntimeError: If capturing below PyTorch 2.11 without retained buffers.
+    """
+    if retain_pinned_cpu_buffers:
+        return "retained"
+    if capturing and not pinned_alloc_in_capture_supported(version):
+        v = TORCH_VERSION if version is None else parse_torch_version(str(version))
+        raise RuntimeError(
+            f"CPU offloading during CUDA graph capture on PyTorch {v} needs "
+            "retain_pinned_cpu_buffers=True: pinned host memory cannot be allocated "
+            "while a graph is captured before PyTorch 2.11. Pass "
+            "get_cpu_offload_context(..., retain_pinned_cpu_buffers=True) and run one "
+            "eager iteration (the warm-up) before capturing, or upgrade to PyTorch >= 2.11."
+        )
+    return "pool"
+
+
+def is_current_stream_capturing() -> bool:
+    """Whether a CUDA graph capture is in progress on the current stream (False without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def fused_optimizer_supported(device_type: str, version: Version | str | None = None) -> bool:
+    """Whether ``torch.optim.AdamW(fused=True)`` runs on ``device_type``.
+
+    Fused AdamW exists for CUDA since PyTorch 2.0 and for the CPU since 2.4, so every
+    supported release has both; the function exists so that the answer has one home.
+
+    Args:
+        device_type: ``"cuda"`` or ``"cpu"``.
+        version: The PyTorch version; the running one by default.
+
+    Returns:
+        True if fused AdamW/Adam/SGD kernels exist for that device type.
+    """
+    v = TORCH_VERSION if version is None else parse_torch_version(str(version))
+    if device_type == "cuda":
+        return _release(v) >= (2, 0)
+    if device_type == "cpu":
+        return _release(v) >= (2, 4)
+    return False
+
+
+def is_fake_or_functional(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a fake or functional tensor (no real storage to copy)."""
+    try:
+        from torch._subclasses.fake_tensor import is_fake
+    except ImportError:  # pragma: no cover - every supported release has it
+        return False
+    if is_fake(tensor):
+        return True
+    return bool(torch._is_functional_tensor(tensor))
+
+
+def queue_backward_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the backward pass that is running now finishes.
+
+    Must be called from inside a backward pass (a hook).
+    """
+    torch.autograd.Variable._execution_engine.queue_callback(callback)

@@ -1,0 +1,1 @@
+"""Legacy (V1) CPU offloading backend."""

@@ -1,0 +1,1 @@
+"""Refactored (V2) CPU offloading backend."""
