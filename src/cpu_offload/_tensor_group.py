@@ -1,0 +1,267 @@
+"""Tensor groups: what exactly is copied for one layer, and how it is rebuilt.
+
+All tensors one layer saved for backward form a group. Before the copies start, the
+group is reduced to *units*: dense blocks of memory that a single copy moves and a
+single allocation restores with the same size and strides. Each transform comes with its
+inverse, applied after reload:
+
+* wrapper subclasses (``__tensor_flatten__``) -> their inner tensors, and back
+  (``__tensor_unflatten__``);
+* the same tensor saved twice -> one unit, and back to the *same* reloaded tensor;
+* views of one base (q, k, v sliced from one qkv projection) -> the base, when the views
+  cover it, and back to views with the same size, stride and offset;
+* a dense but permuted tensor -> a host buffer with the same strides, and back.
+
+A tensor none of these can restore exactly (a small strided slice of a large tensor,
+overlapping strides) stays on the device, with a warning once per shape: its layout is
+never changed behind a kernel's back.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ._transport import TensorLayout, is_dense
+
+__all__ = ["GroupPlan", "SavedEntry", "TensorGroupProcessor", "Unit"]
+
+#: Views are replaced by their base only when they hold at least this share of it, so
+#: that a small slice never drags a large base through the link.
+_BASE_COVERAGE = 0.5
+
+
+@dataclass
+class SavedEntry:
+    """One tensor pushed by autograd, with the event marking when it was complete."""
+
+    tensor: torch.Tensor
+    ready: object | None
+    seq: int
+    force_base: bool = False
+
+
+@dataclass
+class Unit:
+    """A dense block moved by one copy each way."""
+
+    layout: TensorLayout
+    device: torch.device
+    tensor: torch.Tensor | None  # the device tensor, until its memory is released
+    ready: object | None
+    ready_seq: int
+    host: torch.Tensor | None = None  # raw host buffer
+    copied: object | None = None  # event: offload copy done
+    reloaded: torch.Tensor | None = None
+    restored: object | None = None  # event: reload copy done
+    waited: bool = False
+    pending_pops: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.nbytes
+
+
+@dataclass(frozen=True)
+class _UnitRef:
+    unit: int
+    view: tuple[tuple[int, ...], tuple[int, ...], int] | None  # size, stride, offset
+
+
+@dataclass(frozen=True)
+class _KeptRef:
+    tensor: torch.Tensor
+
+
+@dataclass(frozen=True)
+class _SubclassRef:
+    cls: type
+    ctx: object
+    size: torch.Size
+    stride: tuple[int, ...]
+    inner: dict[str, _Ref]
+
+
+_Ref = _UnitRef | _KeptRef | _SubclassRef
+
+
+@dataclass
+class GroupPlan:
+    """The units of one layer and, per pushed id, how to rebuild its tensor."""
+
+    units: list[Unit] = field(default_factory=list)
+    refs: list[_Ref] = field(default_factory=list)
+
+    def unit_ids(self, ref: _Ref) -> list[int]:
+        """The units ``ref`` is rebuilt from."""
+        if isinstance(ref, _UnitRef):
+            return [ref.unit]
+        if isinstance(ref, _SubclassRef):
+            return [u for r in ref.inner.values() for u in self.unit_ids(r)]
+        return []
+
+
+def _is_wrapper(tensor: torch.Tensor) -> bool:
+    return type(tensor) is not torch.Tensor and hasattr(tensor, "__tensor_flatten__")
+
+
+def _storage_key(t: torch.Tensor) -> tuple[object, ...]:
+    return (
+        t.device,
+        t.untyped_storage().data_ptr(),
+        t.storage_offset(),
+        tuple(t.shape),
+        t.stride(),
+        t.dtype,
+    )
+
+
+@dataclass
+class _Leaf:
+    tensor: torch.Tensor
+    ready: object | None
+    seq: int
+    force_base: bool
+
+
+class TensorGroupProcessor:
+    """Turns one layer's saved tensors into units, and rebuilds them after reload.
+
+    The processor keeps only the set of shapes it has warned about, so that a layout it
+    cannot restore is reported once rather than every step.
+    """
+
+    def __init__(self) -> None:
+        self._warned: set[tuple[object, ...]] = set()
+
+    # -- forward: tensors -> units ---------------------------------------------------
+
+    def process(self, entries: Sequence[SavedEntry]) -> GroupPlan:
+        """Group ``entries`` (in push order) into units and references."""
+        leaves: list[_Leaf] = []
+        templates = [self._flatten(e.tensor, e, leaves) for e in entries]
+
+        # Deduplicate: the same memory saved twice is one leaf.
+        canonical: dict[tuple[object, ...], int] = {}
+        alias: list[int] = []
+        for i, leaf in enumerate(leaves):
+            j = canonical.setdefault(_storage_key(leaf.tensor), i)
+            if j != i:  # the later save decides when the shared copy may start
+                if leaf.seq > leaves[j].seq:
+                    leaves[j].ready, leaves[j].seq = leaf.ready, leaf.seq
+                leaves[j].force_base |= leaf.force_base
+            alias.append(j)
+
+        # Group the distinct leaves by the base tensor that owns their memory.
+        roots: dict[tuple[object, ...], tuple[torch.Tensor, list[int]]] = {}
+        for i in sorted(set(alias)):
+            t = leaves[i].tensor
+            root = t._base if t._base is not None else t
+            roots.setdefault(_storage_key(root), (root, []))[1].append(i)
+
+        plan = GroupPlan()
+        leaf_refs: dict[int, _Ref] = {}
+        for root, members in roots.values():
+            leaf_refs.update(self._plan_root(root, members, leaves, plan))
+
+        plan.refs = [self._resolve(tpl, leaf_refs, alias) for tpl in templates]
+        for ref in plan.refs:
+            for u in plan.unit_ids(ref):
+                plan.units[u].pending_pops += 1
+        return plan
+
+    def _flatten(self, tensor: torch.Tensor, entry: SavedEntry, leaves: list[_Leaf]) -> object:
+        # A template mirrors the nesting of wrapper subclasses; ints are leaf indices.
+        if _is_wrapper(tensor):
+            names, ctx = tensor.__tensor_flatten__()
+            inner = {n: self._flatten(getattr(tensor, n), entry, leaves) for n in names}
+            return (type(tensor), ctx, tensor.size(), tensor.stride(), inner)
+        leaves.append(_Leaf(tensor, entry.ready, entry.seq, entry.force_base))
+        return len(leaves) - 1
+
+    def _resolve(self, template: object, leaf_refs: dict[int, _Ref], alias: list[int]) -> _Ref:
+        if isinstance(template, int):
+            return leaf_refs[alias[template]]
+        assert isinstance(template, tuple)
+        cls, ctx, size, stride, inner = template
+        return _SubclassRef(
+            cls, ctx, size, stride, {n: self._resolve(t, leaf_refs, alias) for n, t in inner.items()}
+        )
+
+    def _plan_root(
+        self, root: torch.Tensor, members: list[int], leaves: list[_Leaf], plan: GroupPlan
+    ) -> dict[int, _Ref]:
+        refs: dict[int, _Ref] = {}
+        tensors = [leaves[i].tensor for i in members]
+        root_key = _storage_key(root)
+        same_dtype = all(t.dtype == root.dtype for t in tensors)
+        covered = sum(t.numel() for t in tensors)
+        take_root = (
+            is_dense(root)
+            and same_dtype
+            and (
+                any(_storage_key(t) == root_key for t in tensors)
+                or any(leaves[i].force_base for i in members)
+                or (
+                    (len(tensors) > 1 or not all(is_dense(t) for t in tensors))
+                    and covered >= _BASE_COVERAGE * root.numel()
+                )
+            )
+        )
+        if take_root:
+            ready_leaf = max((leaves[i] for i in members), key=lambda leaf: leaf.seq)
+            u = self._add_unit(plan, root, ready_leaf)
+            for i, t in zip(members, tensors, strict=True):
+                view = None
+                if _storage_key(t) != root_key:
+                    view = (tuple(t.shape), t.stride(), t.storage_offset() - root.storage_offset())
+                refs[i] = _UnitRef(u, view)
+            return refs
+        for i, t in zip(members, tensors, strict=True):
+            if is_dense(t):
+                refs[i] = _UnitRef(self._add_unit(plan, t, leaves[i]), None)
+            else:
+                self._warn_kept(t)
+                refs[i] = _KeptRef(t)
+        return refs
+
+    @staticmethod
+    def _add_unit(plan: GroupPlan, tensor: torch.Tensor, leaf: _Leaf) -> int:
+        plan.units.append(
+            Unit(TensorLayout.of(tensor), tensor.device, tensor, leaf.ready, leaf.seq)
+        )
+        return len(plan.units) - 1
+
+    def _warn_kept(self, t: torch.Tensor) -> None:
+        key = (tuple(t.shape), t.stride(), t.dtype)
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        warnings.warn(
+            f"cpu_offload: a saved tensor of shape {tuple(t.shape)}, stride {t.stride()} and "
+            f"dtype {t.dtype} stays on the GPU: it is a strided view whose layout cannot be "
+            "restored exactly after a copy, and its base is not worth copying instead. "
+            "Use start_offload(tensor, offload_base_tensor=True) to offload its base, or "
+            "mark_not_offload(tensor) to silence this warning.",
+            stacklevel=3,
+        )
+
+    # -- backward: units -> tensors --------------------------------------------------
+
+    @staticmethod
+    def restore(plan: GroupPlan, ref: _Ref) -> torch.Tensor:
+        """Rebuild the tensor of ``ref`` from the reloaded units of ``plan``."""
+        if isinstance(ref, _KeptRef):
+            return ref.tensor
+        if isinstance(ref, _SubclassRef):
+            inner = {n: TensorGroupProcessor.restore(plan, r) for n, r in ref.inner.items()}
+            return ref.cls.__tensor_unflatten__(inner, ref.ctx, ref.size, ref.stride)
+        base = plan.units[ref.unit].reloaded
+        assert base is not None, "unit restored before it was reloaded"
+        if ref.view is None:
+            return base
+        size, stride, offset = ref.view
+        return base.as_strided(size, stride, base.storage_offset() + offset)

@@ -1,0 +1,291 @@
+"""The transport: moves bytes between device memory and host memory.
+
+A transport knows about streams, events and host buffers, and nothing about layers
+or schedules. Two implementations share one interface:
+
+* :class:`CudaTransport` copies CUDA tensors to pinned host buffers on a dedicated copy
+  stream, ordered by CUDA events, and back.
+* :class:`HostTransport` is the CPU stand-in: the "device" tensors are CPU tensors and
+  the copies are plain synchronous copies into separate host buffers. It lets the
+  scheduling, selection and grouping logic run (and be tested) on a machine without a
+  GPU. It never accepts CUDA tensors, so it cannot be used for them by mistake.
+
+Host buffers come from a :class:`HostBufferPool` that is reused across training steps,
+so that a steady-state step allocates no new pinned memory.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "CudaTransport",
+    "HostBufferPool",
+    "HostTransport",
+    "Transport",
+    "TensorLayout",
+]
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """Size, strides and dtype of a dense (non-overlapping) tensor."""
+
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> TensorLayout:
+        return cls(tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.size:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * _itemsize(self.dtype)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def is_dense(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s elements fill a contiguous block of memory without overlap.
+
+    True for contiguous tensors and for permutations of contiguous tensors (the layouts
+    attention kernels allocate), so that a buffer with the same strides holds exactly
+    ``numel`` elements and a straight memory copy moves it.
+    """
+    expected = 1
+    dims = sorted(
+        ((st, sz) for st, sz in zip(tensor.stride(), tensor.shape, strict=True) if sz != 1),
+    )
+    for st, sz in dims:
+        if st != expected:
+            return False
+        expected *= sz
+    return True
+
+
+class HostBufferPool:
+    """Host buffers reused across iterations, bucketed by their size in bytes.
+
+    Buffers are raw ``uint8`` tensors; :meth:`view` gives a typed, strided view. The
+    pool never frees memory on its own: releasing a buffer only makes it available to
+    the next :meth:`acquire` of the same size, so a training loop with steady shapes
+    stops allocating after its first step.
+
+    Args:
+        pin_memory: Allocate page-locked memory (needed for asynchronous copies).
+    """
+
+    def __init__(self, pin_memory: bool) -> None:
+        self.pin_memory = pin_memory
+        self._free: dict[int, list[torch.Tensor]] = {}
+        #: Number of buffers allocated so far (grows only when the pool had none free).
+        self.allocations = 0
+        #: Bytes of host memory owned by the pool, free or in use.
+        self.allocated_bytes = 0
+
+    def acquire(self, nbytes: int) -> torch.Tensor:
+        """A buffer of exactly ``nbytes`` bytes, reused if one is free."""
+        bucket = self._free.get(nbytes)
+        if bucket:
+            return bucket.pop()
+        self.allocations += 1
+        self.allocated_bytes += nbytes
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+
+    def release(self, buffer: torch.Tensor) -> None:
+        """Give a buffer back for reuse."""
+        self._free.setdefault(buffer.numel(), []).append(buffer)
+
+    def clear(self) -> None:
+        """Drop the free buffers (buffers in use stay with their users)."""
+        for bucket in self._free.values():
+            for buf in bucket:
+                self.allocated_bytes -= buf.numel()
+        self._free.clear()
+
+    @staticmethod
+    def view(buffer: torch.Tensor, layout: TensorLayout) -> torch.Tensor:
+        """``buffer`` seen as a tensor of ``layout`` (same strides as the device tensor)."""
+        return buffer[: layout.nbytes].view(layout.dtype).as_strided(layout.size, layout.stride)
+
+
+class Transport(ABC):
+    """Moves tensors between the device and host buffers, in order.
+
+    Events returned by the transport are opaque tokens: ``None`` means "already done".
+    """
+
+    #: True when times and memory are not those of a GPU (the CPU stand-in).
+    simulated: bool = False
+
+    def __init__(self, pool: HostBufferPool) -> None:
+        self.pool = pool
+        #: Bytes copied to the host and back since creation (for tests and reports).
+        self.bytes_offloaded = 0
+        self.bytes_reloaded = 0
+
+    @abstractmethod
+    def accepts(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` lives on the device this transport moves data from."""
+
+    @abstractmethod
+    def record(self) -> object | None:
+        """Mark the current point of the compute stream."""
+
+    @abstractmethod
+    def wait(self, event: object | None) -> None:
+        """Make the compute stream wait for ``event``."""
+
+    @abstractmethod
+    def offload(self, src: torch.Tensor, ready: object | None, dst: torch.Tensor) -> object | None:
+        """Copy device tensor ``src`` into host tensor ``dst`` once ``ready`` has passed.
+
+        The caller keeps ``src`` alive until it has waited for the returned event.
+        """
+
+    @abstractmethod
+    def allocate(self, layout: TensorLayout, device: torch.device) -> torch.Tensor:
+        """A new device tensor of ``layout``, allocated on the compute stream."""
+
+    @abstractmethod
+    def reload(self, src: torch.Tensor, dst: torch.Tensor) -> object | None:
+        """Copy host tensor ``src`` into device tensor ``dst`` (from :meth:`allocate`)."""
+
+
+class CudaTransport(Transport):
+    """Copies on a dedicated CUDA stream, ordered by CUDA events.
+
+    Args:
+        stream: The copy stream; a new one is created on the current device if None.
+        pool: Host buffer pool; a new pinned pool if None.
+        reload_stream: A separate stream for host-to-device copies, so that both
+            directions run at once; the same stream as ``stream`` if None.
+
+    Raises:
+        RuntimeError: If CUDA is not available.
+        TypeError: If ``stream`` is not a ``torch.cuda.Stream``.
+    """
+
+    def __init__(
+        self,
+        stream: torch.cuda.Stream | None = None,
+        pool: HostBufferPool | None = None,
+        reload_stream: torch.cuda.Stream | None = None,
+    ) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "CudaTransport needs CUDA, which is not available; use HostTransport to "
+                "run the offloading logic on CPU tensors"
+            )
+        if stream is not None and not isinstance(stream, torch.cuda.Stream):
+            raise TypeError(
+                f"offload_stream must be a torch.cuda.Stream or None, got {type(stream).__name__}"
+            )
+        super().__init__(pool if pool is not None else HostBufferPool(pin_memory=True))
+        self.stream = stream if stream is not None else torch.cuda.Stream()
+        self.reload_stream = reload_stream if reload_stream is not None else self.stream
+
+    def accepts(self, tensor: torch.Tensor) -> bool:
+        return tensor.is_cuda
+
+    def record(self) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream())
+        return event
+
+    def wait(self, event: object | None) -> None:
+        if event is not None:
+            assert isinstance(event, torch.cuda.Event)
+            torch.cuda.current_stream().wait_event(event)
+
+    def offload(
+        self, src: torch.Tensor, ready: object | None, dst: torch.Tensor
+    ) -> torch.cuda.Event:
+        if ready is not None:
+            assert isinstance(ready, torch.cuda.Event)
+            self.stream.wait_event(ready)
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        self.bytes_offloaded += dst.numel() * dst.element_size()
+        return done
+
+    def allocate(self, layout: TensorLayout, device: torch.device) -> torch.Tensor:
+        return torch.empty_strided(layout.size, layout.stride, dtype=layout.dtype, device=device)
+
+    def reload(self, src: torch.Tensor, dst: torch.Tensor) -> torch.cuda.Event:
+        # dst was allocated on the compute stream: its memory may have been used by
+        # compute work queued before the allocation, so the copy waits for that point.
+        self.reload_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.reload_stream):
+            dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.reload_stream)
+        self.bytes_reloaded += dst.numel() * dst.element_size()
+        return done
+
+
+class HostTransport(Transport):
+    """CPU stand-in for :class:`CudaTransport`: CPU tensors play the device's part.
+
+    Copies are synchronous, so every event is ``None``. Numerics, scheduling and
+    grouping behave as on the GPU; times and memory do not. It refuses CUDA tensors.
+
+    Args:
+        pool: Host buffer pool; a new unpinned pool if None.
+    """
+
+    simulated = True
+
+    def __init__(self, pool: HostBufferPool | None = None) -> None:
+        super().__init__(pool if pool is not None else HostBufferPool(pin_memory=False))
+
+    def accepts(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type == "cpu"
+
+    def record(self) -> None:
+        return None
+
+    def wait(self, event: object | None) -> None:
+        return None
+
+    def offload(self, src: torch.Tensor, ready: object | None, dst: torch.Tensor) -> None:
+        dst.copy_(src)
+        self.bytes_offloaded += dst.numel() * dst.element_size()
+        return None
+
+    def allocate(self, layout: TensorLayout, device: torch.device) -> torch.Tensor:
+        return torch.empty_strided(layout.size, layout.stride, dtype=layout.dtype, device=device)
+
+    def reload(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        dst.copy_(src)
+        self.bytes_reloaded += dst.numel() * dst.element_size()
+        return None
+
+
+def default_transport(offload_stream: torch.cuda.Stream | None = None) -> Transport:
+    """The transport used when the caller names none.
+
+    :class:`CudaTransport` when CUDA is available. Without CUDA there are no CUDA
+    tensors to offload, and the CPU stand-in runs the same logic on CPU tensors so that
+    programs written for the GPU still run (and can be tested) on a CPU-only machine.
+    """
+    if torch.cuda.is_available():
+        return CudaTransport(offload_stream)
+    if offload_stream is not None:
+        raise TypeError("offload_stream was given but CUDA is not available")
+    return HostTransport()

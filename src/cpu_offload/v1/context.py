@@ -1,0 +1,238 @@
+"""V1 saved-tensor hooks, the group-commit function and ``get_cpu_offload_context``."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from .._selection import is_marked_for_offload
+from .._state import pop_active, push_active
+from .._transport import Transport
+from .handlers import AsyncDoubleBufferGroupOffloadHandler, OffloadHandler
+
+__all__ = [
+    "CpuOffloadHookWithOffloadHandler",
+    "CpuOffloadSavedTensorHook",
+    "GroupCommitFunction",
+    "get_cpu_offload_context",
+    "group_prefetch_offload_commit",
+]
+
+
+class CpuOffloadSavedTensorHook:
+    """Context manager that routes tensors saved for backward through two methods.
+
+    Subclasses implement :meth:`on_save_for_backward` (returns what autograd keeps) and
+    :meth:`on_get_saved_tensor` (turns it back into the tensor).
+
+    Attributes:
+        inside_context: True only inside the ``with`` block.
+    """
+
+    def __init__(self) -> None:
+        self.inside_context = False
+        self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+
+    def on_save_for_backward(self, tensor: torch.Tensor) -> Any:
+        """Called with each tensor saved for backward."""
+        raise NotImplementedError(
+            "on_save_for_backward is not implemented in CpuOffloadSavedTensorHook; subclass it"
+        )
+
+    def on_get_saved_tensor(self, saved_state: Any) -> torch.Tensor:
+        """Called in backward with what :meth:`on_save_for_backward` returned."""
+        raise NotImplementedError(
+            "on_get_saved_tensor is not implemented in CpuOffloadSavedTensorHook; subclass it"
+        )
+
+    def is_current_layer_offloaded(self) -> bool:
+        return False
+
+    def _abort(self) -> None:
+        """Called when an exception leaves the ``with`` block."""
+
+    def __enter__(self) -> CpuOffloadSavedTensorHook:
+        if self.inside_context:
+            raise RuntimeError("the CPU offload context is already entered (nested `with`)")
+        hooks = torch.autograd.graph.saved_tensors_hooks(
+            self.on_save_for_backward, self.on_get_saved_tensor
+        )
+        hooks.__enter__()
+        self._hooks = hooks
+        self.inside_context = True
+        push_active(self)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.inside_context = False
+        hooks, self._hooks = self._hooks, None
+        if hooks is None:
+            return
+        pop_active(self)
+        hooks.__exit__(exc_type, exc, tb)
+        if exc_type is not None:
+            self._abort()
+
+
+class CpuOffloadHookWithOffloadHandler(CpuOffloadSavedTensorHook):
+    """Saved-tensor hooks that delegate to an :class:`OffloadHandler`.
+
+    Args:
+        offload_handler: The handler that offloads and reloads.
+        handler_extra_kwargs: Extra keyword arguments passed to ``tensor_push`` and
+            ``tensor_pop``.
+        debug: Unused; kept for signature compatibility.
+    """
+
+    def __init__(
+        self,
+        offload_handler: OffloadHandler,
+        handler_extra_kwargs: dict[str, Any] | None = None,
+        debug: bool = False,
+    ) -> None:
+        super().__init__()
+        self.offload_handler = offload_handler
+        self.handler_extra_kwargs = dict(handler_extra_kwargs or {})
+        self.debug = debug
+
+    def on_save_for_backward(self, tensor: torch.Tensor) -> Any:
+        return self.offload_handler.tensor_push(tensor, **self.handler_extra_kwargs)
+
+    def on_get_saved_tensor(self, saved_state: Any) -> torch.Tensor:
+        return self.offload_handler.tensor_pop(saved_state, **self.handler_extra_kwargs)
+
+    def is_current_layer_offloaded(self) -> bool:
+        return self.offload_handler.is_current_group_offloaded()
+
+    def _abort(self) -> None:
+        self.offload_handler.abort()
+
+
+class GroupCommitFunction(torch.autograd.Function):
+    """Identity on a layer's output that marks group boundaries.
+
+    Its forward tells the handler that a group (layer) ended; its backward tells it
+    that a group's backward begins.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, cpu_offload_handler: Any) -> torch.Tensor:
+        cpu_offload_handler.on_group_commit_forward()
+        ctx.cpu_offload_handler = cpu_offload_handler
+        return tensor
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.cpu_offload_handler.on_group_commit_backward()
+        return grad_output, None
+
+
+def group_prefetch_offload_commit(tensor: torch.Tensor, offload_handler: Any) -> torch.Tensor:
+    """Commit the current group: ``GroupCommitFunction.apply(tensor, offload_handler)``."""
+    if not torch.is_grad_enabled():
+        return tensor
+    return GroupCommitFunction.apply(tensor, offload_handler)
+
+
+def _commit_disabled(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def get_cpu_offload_context(
+    enabled: bool = False,
+    num_layers: int = 1,
+    model_layers: int = 1,
+    offload_activations: bool = True,
+    offload_weights: bool = False,
+    double_buffering: bool = False,
+    *,
+    transport: Transport | None = None,
+) -> tuple[Any, Any]:
+    """The legacy (V1) offload context and commit function.
+
+    Only tensors marked ``activation_offloading`` (see :func:`mark_activation_offload`)
+    are offloaded. The first ``num_layers`` layers are offloaded on their own stream,
+    released spread over the model and reloaded symmetrically with prefetch
+    (:class:`AsyncDoubleBufferGroupOffloadHandler`).
+
+    Args:
+        enabled: Turn offloading on. When False, returns ``(nullcontext(), identity)``
+            without touching CUDA.
+        num_layers: Layers to offload (k), in ``[0, model_layers]``.
+        model_layers: Layers in the model (n), >= 1.
+        offload_activations: Must be True for anything to be offloaded.
+        offload_weights: Deprecated: warns and has no effect.
+        double_buffering: Reuse two sets of reload buffers.
+        transport: What moves the bytes; by default CUDA streams when CUDA is available,
+            else the CPU stand-in.
+
+    Returns:
+        ``(context, commit_function)``; call ``x = commit_function(x)`` after each layer.
+
+    Raises:
+        TypeError: If an argument has the wrong type.
+        ValueError: If the layer counts are out of range or nothing is to be offloaded.
+
+    Example:
+        >>> ctx, commit = get_cpu_offload_context(True, 1, 2)
+        >>> layers = [torch.nn.Linear(1024, 1024) for _ in range(2)]
+        >>> x = torch.randn(512, 1024, requires_grad=True)
+        >>> for layer in layers:
+        ...     with ctx:
+        ...         x = layer(x)
+        ...         mark_activation_offload(x)
+        ...     x = commit(x)
+        >>> x.sum().backward()
+    """
+    for name, value in (
+        ("enabled", enabled),
+        ("offload_activations", offload_activations),
+        ("offload_weights", offload_weights),
+        ("double_buffering", double_buffering),
+    ):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool (True or False), got {value!r}")
+    for name, value in (("num_layers", num_layers), ("model_layers", model_layers)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if not enabled:
+        return contextlib.nullcontext(), _commit_disabled
+    if offload_weights:
+        warnings.warn(
+            "offload_weights=True is deprecated and has no effect: weights are never offloaded",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+    if not offload_activations:
+        if not offload_weights:
+            raise ValueError(
+                "nothing to offload: offload_activations=False and offload_weights=False; "
+                "set offload_activations=True (or enabled=False)"
+            )
+        return contextlib.nullcontext(), _commit_disabled
+    if model_layers < 1:
+        raise ValueError(f"model_layers must be >= 1, got {model_layers}")
+    if not 0 <= num_layers <= model_layers:
+        raise ValueError(
+            f"num_layers must be in [0, model_layers] = [0, {model_layers}], got {num_layers}"
+        )
+    handler = AsyncDoubleBufferGroupOffloadHandler(
+        num_offload_group=num_layers,
+        num_model_group=model_layers,
+        tensor_need_offloading_checker=is_marked_for_offload,
+        double_buffering=double_buffering,
+        transport=transport,
+    )
+    context = CpuOffloadHookWithOffloadHandler(handler)
+    return context, functools.partial(group_prefetch_offload_commit, offload_handler=handler)
+

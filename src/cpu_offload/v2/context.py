@@ -1,0 +1,339 @@
+"""The V2 public entry point: ``get_cpu_offload_context`` and what it returns."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from .._selection import ActivationPolicy
+from .._state import active_context, pop_active, push_active
+from .._transport import Transport, default_transport
+from .schedule import check_layer_counts, default_synchronization_dict, validate_synchronization_dict
+from .synchronizer import DefaultOffloadSynchronizer, ManualOffloadSynchronizer, OffloadSynchronizer
+
+__all__ = ["OffloadContext", "SyncFunction", "get_cpu_offload_context", "start_offload"]
+
+#: Default smallest tensor worth offloading, in elements (about 1 MB of float32).
+DEFAULT_MIN_TENSOR_SIZE = 256 * 1024
+
+
+def _identity(tensor: Any) -> Any:
+    return tensor
+
+
+class OffloadContext:
+    """Wraps one layer's forward: saved tensors go through the synchronizer's hooks.
+
+    Attributes:
+        offload_synchronizer: The synchronizer this context drives.
+        inside_context: True only inside the ``with`` block.
+    """
+
+    def __init__(self, synchronizer: OffloadSynchronizer) -> None:
+        self.offload_synchronizer = synchronizer
+        self.inside_context = False
+        self.awaiting_sync = False  # a layer ran and sync_function has not been called
+        self.layer_id: int | None = None
+        self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+
+    def is_current_layer_offloaded(self) -> bool:
+        return self.layer_id is not None and self.offload_synchronizer.is_layer_offloaded(
+            self.layer_id
+        )
+
+    def __enter__(self) -> OffloadContext:
+        if self.inside_context:
+            raise RuntimeError("the CPU offload context is already entered (nested `with`)")
+        if self.awaiting_sync:
+            raise RuntimeError(
+                "the CPU offload context was entered twice without sync_function in "
+                f"between: call x = sync_function(x) on layer {self.layer_id}'s output "
+                "after its `with` block"
+            )
+        if not torch.is_grad_enabled():
+            # Nothing is saved for backward: no layer is counted (evaluation loops).
+            self.inside_context = True
+            return self
+        sync = self.offload_synchronizer
+        try:
+            layer = sync.fwd_step()
+        except BaseException:
+            # Leave nothing behind: the next forward starts a fresh iteration at layer 0.
+            sync.start_new_iteration()
+            raise
+        hooks = torch.autograd.graph.saved_tensors_hooks(sync.push_tensor, sync.pop_tensor)
+        hooks.__enter__()  # last step: nothing after it can fail
+        self._hooks = hooks
+        self.layer_id = layer
+        self.awaiting_sync = True
+        self.inside_context = True
+        push_active(self)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.inside_context = False
+        hooks, self._hooks = self._hooks, None
+        if hooks is None:  # the grad-disabled pass-through
+            return
+        pop_active(self)
+        hooks.__exit__(exc_type, exc, tb)
+        if exc_type is not None:
+            # A failed layer (out of memory, say) ends the iteration: its buffers go,
+            # and training that skips the batch continues exactly.
+            self.awaiting_sync = False
+            self.layer_id = None
+            self.offload_synchronizer.start_new_iteration()
+
+
+class _BackwardStart:
+    """Gradient pre-hook: tells the synchronizer that a layer's backward begins."""
+
+    __slots__ = ("layer_id", "synchronizer")
+
+    def __init__(self, synchronizer: OffloadSynchronizer, layer_id: int) -> None:
+        self.synchronizer = synchronizer
+        self.layer_id = layer_id
+
+    def __call__(self, grad_outputs: Any) -> None:
+        self.synchronizer.bwd_step(self.layer_id)
+
+
+class SyncFunction:
+    """Marks the end of a layer's forward; its backward hook marks the start of its backward.
+
+    Call it on each layer's output, outside the context: ``x = sync_function(x)``.
+    """
+
+    def __init__(self, context: OffloadContext) -> None:
+        self.context = context
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        ctx = self.context
+        if ctx.inside_context:
+            raise RuntimeError(
+                "sync_function must be called outside the CPU offload context, on the "
+                "layer's output after its `with` block"
+            )
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"sync_function expects a tensor, got {type(tensor).__name__}")
+        if not torch.is_grad_enabled():
+            return tensor
+        if not ctx.awaiting_sync or ctx.layer_id is None:
+            raise RuntimeError(
+                "sync_function was called before any layer ran under the CPU offload "
+                "context (or twice for one layer): call it once after each layer's `with` block"
+            )
+        if not tensor.requires_grad:
+            raise ValueError(
+                "sync_function needs the layer's output to require grad (it registers "
+                "the hook that starts the layer's backward), got a tensor with "
+                "requires_grad=False"
+            )
+        out = tensor if tensor.grad_fn is not None else tensor.view_as(tensor)
+        assert out.grad_fn is not None
+        out.grad_fn.register_prehook(_BackwardStart(ctx.offload_synchronizer, ctx.layer_id))
+        ctx.awaiting_sync = False
+        return out
+
+
+def _check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool (True or False), got {value!r}")
+    return value
+
+
+def get_cpu_offload_context(
+    enabled: bool = False,
+    num_layers: int | None = 1,
+    model_layers: int = 1,
+    offload_activations: bool = True,
+    offload_weights: bool = False,
+    double_buffering: bool = False,
+    manual_synchronization: bool = False,
+    retain_pinned_cpu_buffers: bool = False,
+    offload_stream: torch.cuda.Stream | None = None,
+    *,
+    synchronization_dict: dict[int, tuple[bool, int, bool, int]] | None = None,
+    min_tensor_size_to_offload: int = DEFAULT_MIN_TENSOR_SIZE,
+    transport: Transport | None = None,
+) -> (
+    tuple[Any, Any]
+    | tuple[Any, Any, ManualOffloadSynchronizer | None]
+):
+    """Make the context and sync function that offload activations to host memory.
+
+    Wrap each layer's forward in the context and pass its output through the sync
+    function. Tensors autograd saves inside the context are copied to pinned host
+    memory on a separate stream, their device memory is released, and they are copied
+    back before backward needs them. Results are bit-identical to no offloading.
+
+    The positional order is Transformer Engine's (Megatron-LM calls it positionally).
+
+    Args:
+        enabled: Turn offloading on. When False, returns ``(nullcontext(), identity)``
+            and checks only argument types.
+        num_layers: How many layers to offload (k, the first k), in ``[0, model_layers-1]``.
+            Ignored with ``manual_synchronization`` or ``synchronization_dict``.
+        model_layers: Total number of layers run under the context (n). Must be right.
+        offload_activations: Legacy; must be True for anything to be offloaded.
+        offload_weights: Legacy; True warns (``DeprecationWarning``) and has no effect.
+        double_buffering: Legacy; accepted and ignored (V2 allocates reload buffers on the
+            compute stream, which makes double buffering unnecessary).
+        manual_synchronization: Return a :class:`ManualOffloadSynchronizer` as third
+            value and let the caller decide when each layer moves.
+        retain_pinned_cpu_buffers: Keep each layer's pinned host buffers at fixed
+            addresses across iterations (needed to capture CUDA graphs before PyTorch
+            2.11); shapes must then stay the same every iteration.
+        offload_stream: CUDA stream for the copies; a new one if None. Accepted in both
+            modes (the reference accepts it only in manual mode).
+        synchronization_dict: Layer id -> ``(offload_fwd, offload_num, reload_fwd,
+            reload_num)``, a schedule for pipeline parallelism (see the docs).
+        min_tensor_size_to_offload: Smallest tensor to offload, in elements.
+        transport: What moves the bytes. By default the CUDA transport when CUDA is
+            available, else the CPU stand-in (copies between CPU tensors), so that the
+            same program runs and can be tested on a machine without a GPU.
+
+    Returns:
+        ``(context, sync_function)``, or ``(context, sync_function, synchronizer)`` with
+        ``manual_synchronization=True`` (``None`` as synchronizer when disabled).
+
+    Raises:
+        TypeError: If an argument has the wrong type.
+        ValueError: If ``model_layers < 1``, ``num_layers`` is outside
+            ``[0, model_layers - 1]``, nothing is to be offloaded, or the
+            ``synchronization_dict`` is invalid.
+
+    Example:
+        >>> layers = [torch.nn.Linear(1024, 1024) for _ in range(4)]
+        >>> ctx, sync = get_cpu_offload_context(enabled=True, num_layers=2, model_layers=4)
+        >>> x = torch.randn(256, 1024, requires_grad=True)
+        >>> for layer in layers:
+        ...     with ctx:
+        ...         x = layer(x)
+        ...     x = sync(x)
+        >>> x.sum().backward()
+    """
+    for name, value in (
+        ("enabled", enabled),
+        ("offload_activations", offload_activations),
+        ("offload_weights", offload_weights),
+        ("double_buffering", double_buffering),
+        ("manual_synchronization", manual_synchronization),
+        ("retain_pinned_cpu_buffers", retain_pinned_cpu_buffers),
+    ):
+        _check_bool(name, value)
+    for name, value in (("num_layers", num_layers), ("model_layers", model_layers)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if model_layers is None:
+        raise TypeError("model_layers must be an int, got None")
+    if (
+        isinstance(min_tensor_size_to_offload, bool)
+        or not isinstance(min_tensor_size_to_offload, int)
+        or min_tensor_size_to_offload < 0
+    ):
+        raise ValueError(
+            "min_tensor_size_to_offload must be an int >= 0 (a number of elements), "
+            f"got {min_tensor_size_to_offload!r}"
+        )
+    if offload_stream is not None and not isinstance(offload_stream, torch.cuda.Stream):
+        raise TypeError(
+            f"offload_stream must be a torch.cuda.Stream or None, got {type(offload_stream).__name__}"
+        )
+    if transport is not None and not isinstance(transport, Transport):
+        raise TypeError(f"transport must be a cpu_offload Transport, got {type(transport).__name__}")
+
+    disabled: tuple[Any, ...] = (contextlib.nullcontext(), _identity)
+    if manual_synchronization:
+        disabled = (*disabled, None)
+    if not enabled:
+        return disabled  # type: ignore[return-value]
+
+    if offload_weights:
+        warnings.warn(
+            "offload_weights=True is deprecated and has no effect: weights are never offloaded",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+    if not offload_activations:
+        if not offload_weights:
+            raise ValueError(
+                "nothing to offload: offload_activations=False and offload_weights=False; "
+                "set offload_activations=True (or enabled=False)"
+            )
+        return disabled  # type: ignore[return-value]
+
+    if model_layers < 1:
+        raise ValueError(f"model_layers must be >= 1, got {model_layers}")
+    if manual_synchronization and synchronization_dict is not None:
+        raise ValueError(
+            "synchronization_dict and manual_synchronization=True exclude each other: "
+            "pass one or the other"
+        )
+    if synchronization_dict is not None:
+        schedule = validate_synchronization_dict(synchronization_dict, model_layers)
+    elif not manual_synchronization:
+        if num_layers is None:
+            raise TypeError("num_layers must be an int (layers to offload), got None")
+        k, _ = check_layer_counts(num_layers, model_layers)
+        schedule = default_synchronization_dict(k, model_layers)
+
+    transport = transport if transport is not None else default_transport(offload_stream)
+    policy = ActivationPolicy(min_tensor_size_to_offload, transport.accepts)
+    synchronizer: OffloadSynchronizer
+    if manual_synchronization:
+        synchronizer = ManualOffloadSynchronizer(
+            model_layers, retain_pinned_cpu_buffers, transport=transport, policy=policy
+        )
+    else:
+        synchronizer = DefaultOffloadSynchronizer(
+            model_layers,
+            retain_pinned_cpu_buffers=retain_pinned_cpu_buffers,
+            synchronization_dict=schedule,
+            transport=transport,
+            policy=policy,
+        )
+    context = OffloadContext(synchronizer)
+    sync_function = SyncFunction(context)
+    if manual_synchronization:
+        return context, sync_function, synchronizer
+    return context, sync_function
+
+
+def start_offload(*tensors: torch.Tensor, offload_base_tensor: bool = False) -> None:
+    """Record that ``tensors`` are complete now, so their copies may start from here.
+
+    Use it when a layer saves a tensor for backward before it has finished writing it
+    (a buffer filled later in the layer): the copy then waits for this point instead of
+    the save. With ``offload_base_tensor=True`` a view is offloaded as its whole base
+    and rebuilt as the same view after reload. Outside an active V2 offload context it
+    does nothing.
+
+    Args:
+        *tensors: Tensors already saved in the current layer.
+        offload_base_tensor: Offload views of these tensors as their base.
+
+    Raises:
+        TypeError: If an entry is not a tensor.
+
+    Example:
+        >>> start_offload(qkv_view, offload_base_tensor=True)  # doctest: +SKIP
+    """
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"start_offload expects tensors, got {type(t).__name__}")
+    ctx = active_context()
+    if not isinstance(ctx, OffloadContext) or ctx.layer_id is None:
+        return
+    sync = ctx.offload_synchronizer
+    if sync.is_layer_offloaded(ctx.layer_id):
+        sync.layers[ctx.layer_id].mark_ready(tensors, offload_base_tensor)

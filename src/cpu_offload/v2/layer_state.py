@@ -1,0 +1,286 @@
+"""The tensors of one layer and the state machine that moves them."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterable
+
+import torch
+
+from .._tensor_group import GroupPlan, SavedEntry, TensorGroupProcessor, Unit
+from .._transport import HostBufferPool, TensorLayout, Transport, default_transport
+
+__all__ = ["LayerPhase", "OffloadableLayerState"]
+
+_MIB = 1024 * 1024
+
+
+class LayerPhase(str, enum.Enum):
+    """States of :class:`OffloadableLayerState`, in the order a layer goes through them."""
+
+    NOT_OFFLOADED = "not_offloaded"
+    OFFLOAD_STARTED = "offload_started"
+    OFFLOAD_FINISHED = "offload_finished"
+    RELOAD_STARTED = "reload_started"
+
+
+class OffloadableLayerState:
+    """The tensors one layer saved for backward, and their trip to the host and back.
+
+    States: ``not_offloaded`` -> ``offload_started`` -> ``offload_finished`` ->
+    ``reload_started``, and back to ``not_offloaded`` by :meth:`release_all_memory`.
+    A method called in the wrong state raises ``RuntimeError`` naming the method, the
+    state and the allowed states.
+
+    Args:
+        offload_stream: CUDA stream for the copies (a new one if None). Ignored when
+            ``transport`` is given.
+        retain_pinned_cpu_buffers: Keep this layer's host buffers at fixed addresses
+            across iterations (needed for CUDA graphs before PyTorch 2.11). The tensors
+            saved must then have the same shapes every iteration.
+        transport: What moves the bytes; by default :class:`~cpu_offload.CudaTransport`
+            when CUDA is available, else the CPU stand-in.
+        policy: Which pushed tensors are candidates; every tensor the transport accepts
+            when None.
+        processor: Tensor-group processor (shared by the layers of one synchronizer).
+
+    Example:
+        >>> state = OffloadableLayerState(None, transport=HostTransport())
+        >>> x = torch.randn(1024, 1024)
+        >>> tid = state.push_tensor(x)
+        >>> state.start_offload(); state.release_activation_forward_gpu_memory()
+        >>> state.start_reload(); torch.equal(state.pop_tensor(tid), x)
+        True
+    """
+
+    def __init__(
+        self,
+        offload_stream: torch.cuda.Stream | None = None,
+        retain_pinned_cpu_buffers: bool = False,
+        *,
+        transport: Transport | None = None,
+        policy: Callable[[torch.Tensor], bool] | None = None,
+        processor: TensorGroupProcessor | None = None,
+        name: str = "layer",
+    ) -> None:
+        self.transport = transport if transport is not None else default_transport(offload_stream)
+        self.retain_pinned_cpu_buffers = retain_pinned_cpu_buffers
+        self.policy = policy if policy is not None else self.transport.accepts
+        self.processor = processor if processor is not None else TensorGroupProcessor()
+        self.name = name
+        self.phase = LayerPhase.NOT_OFFLOADED
+        self._entries: list[SavedEntry] = []
+        self._plan: GroupPlan | None = None
+        self._retained: list[torch.Tensor] = []  # host buffers kept across iterations
+        self._seq = 0
+
+    # -- bookkeeping -----------------------------------------------------------------
+
+    @property
+    def state(self) -> str:
+        """The current state's name (``"not_offloaded"``, ...)."""
+        return self.phase.value
+
+    def _expect(self, method: str, *allowed: LayerPhase) -> None:
+        if self.phase not in allowed:
+            names = ", ".join(p.value for p in allowed)
+            raise RuntimeError(
+                f"{type(self).__name__}.{method}() called on {self.name} in state "
+                f"'{self.phase.value}'; allowed in: {names}"
+            )
+
+    @property
+    def has_tensors(self) -> bool:
+        """Whether any tensor was pushed since the last release."""
+        return bool(self._entries)
+
+    # -- forward ---------------------------------------------------------------------
+
+    def push_tensor(self, tensor: torch.Tensor, *, force_base: bool = False) -> int | torch.Tensor:
+        """Take a tensor saved for backward.
+
+        Returns:
+            An int id if the tensor is a candidate for offloading, else the tensor itself.
+        """
+        self._expect("push_tensor", LayerPhase.NOT_OFFLOADED)
+        if not self.policy(tensor):
+            return tensor
+        self._seq += 1
+        self._entries.append(SavedEntry(tensor, self.transport.record(), self._seq, force_base))
+        return len(self._entries) - 1
+
+    def mark_ready(self, tensors: Iterable[torch.Tensor], offload_base_tensor: bool) -> None:
+        """Record that ``tensors`` are complete now (see :func:`cpu_offload.start_offload`)."""
+        keys = {(t.untyped_storage().data_ptr(), t.storage_offset(), t.shape) for t in tensors}
+        event = None
+        for entry in self._entries:
+            t = entry.tensor
+            if (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape) in keys:
+                if event is None:
+                    event = self.transport.record()
+                    self._seq += 1
+                entry.ready, entry.seq = event, self._seq
+                entry.force_base |= offload_base_tensor
+
+    def start_offload(self) -> None:
+        """Group the pushed tensors and queue their copies to the host.
+
+        Each copy waits for the event recorded when its tensor was saved, so it may run
+        while the layer's later kernels still compute.
+
+        Raises:
+            RuntimeError: In the wrong state, or when retained buffers no longer fit.
+        """
+        self._expect("start_offload", LayerPhase.NOT_OFFLOADED)
+        plan = self.processor.process(self._entries)
+        buffers = self._host_buffers(plan.units)
+        for unit, buf in zip(plan.units, buffers, strict=True):
+            unit.host = buf
+            assert unit.tensor is not None
+            dst = HostBufferPool.view(buf, unit.layout)
+            unit.copied = self.transport.offload(unit.tensor, unit.ready, dst)
+        self._plan = plan
+        self.phase = LayerPhase.OFFLOAD_STARTED
+
+    def _host_buffers(self, units: list[Unit]) -> list[torch.Tensor]:
+        if not self.retain_pinned_cpu_buffers:
+            return [self.transport.pool.acquire(u.nbytes) for u in units]
+        if not self._retained:
+            self._retained = [self.transport.pool.acquire(u.nbytes) for u in units]
+            return self._retained
+        wanted = [u.nbytes for u in units]
+        have = [b.numel() for b in self._retained]
+        if wanted != have:
+            raise RuntimeError(
+                f"retain_pinned_cpu_buffers=True needs the same saved tensors every "
+                f"iteration, but {self.name} now saves blocks of {wanted} bytes where its "
+                f"retained host buffers hold {have} bytes. Keep shapes fixed, or create the "
+                "offload context with retain_pinned_cpu_buffers=False."
+            )
+        return self._retained
+
+    def release_activation_forward_gpu_memory(self) -> None:
+        """Make the current stream wait for the offload copies, then drop the device tensors.
+
+        Raises:
+            RuntimeError: Unless called in state ``offload_started``.
+        """
+        self._expect("release_activation_forward_gpu_memory", LayerPhase.OFFLOAD_STARTED)
+        assert self._plan is not None
+        for unit in self._plan.units:
+            self.transport.wait(unit.copied)
+            unit.tensor = None
+        # The pushed entries are the last references to the offloaded device memory.
+        for entry in self._entries:
+            entry.tensor = None  # type: ignore[assignment]
+        self.phase = LayerPhase.OFFLOAD_FINISHED
+
+    # -- backward --------------------------------------------------------------------
+
+    def start_reload(self, device_buffers: list[torch.Tensor] | None = None) -> None:
+        """Allocate device memory on the compute stream and queue the copies back.
+
+        Args:
+            device_buffers: Preallocated device tensors to reload into, by unit order
+                (V1's double buffering); a buffer whose layout differs is not used.
+
+        Raises:
+            RuntimeError: Unless called in state ``offload_finished``.
+        """
+        self._expect("start_reload", LayerPhase.OFFLOAD_FINISHED)
+        assert self._plan is not None
+        for i, unit in enumerate(self._plan.units):
+            assert unit.host is not None
+            buf = device_buffers[i] if device_buffers and i < len(device_buffers) else None
+            if buf is not None and TensorLayout.of(buf) == unit.layout:
+                unit.reloaded = buf
+            else:
+                unit.reloaded = self.transport.allocate(unit.layout, unit.device)
+            src = HostBufferPool.view(unit.host, unit.layout)
+            unit.restored = self.transport.reload(src, unit.reloaded)
+        self.phase = LayerPhase.RELOAD_STARTED
+
+    def pop_tensor(self, tensor_or_id: int | torch.Tensor) -> torch.Tensor:
+        """Give back a tensor pushed earlier, waiting for its own reload if needed.
+
+        Raises:
+            RuntimeError: Unless called in state ``not_offloaded`` or ``reload_started``,
+                or if the id is unknown (its iteration was released).
+        """
+        if isinstance(tensor_or_id, torch.Tensor):
+            return tensor_or_id
+        self._expect("pop_tensor", LayerPhase.NOT_OFFLOADED, LayerPhase.RELOAD_STARTED)
+        if not 0 <= tensor_or_id < len(self._entries):
+            raise RuntimeError(
+                f"{self.name} holds no saved tensor {tensor_or_id}: its memory was released "
+                "(a new iteration started, or backward ran twice over the same graph)"
+            )
+        if self.phase is LayerPhase.NOT_OFFLOADED:
+            return self._entries[tensor_or_id].tensor
+        assert self._plan is not None
+        ref = self._plan.refs[tensor_or_id]
+        unit_ids = self._plan.unit_ids(ref)
+        for u in unit_ids:
+            unit = self._plan.units[u]
+            if unit.reloaded is None:
+                raise RuntimeError(
+                    f"saved tensor {tensor_or_id} of {self.name} was already handed to "
+                    "backward and released; backward over the same graph twice "
+                    "(retain_graph=True) is not supported with offloading"
+                )
+            if not unit.waited:
+                self.transport.wait(unit.restored)
+                unit.waited = True
+        out = self.processor.restore(self._plan, ref)
+        for u in unit_ids:
+            unit = self._plan.units[u]
+            unit.pending_pops -= 1
+            if unit.pending_pops == 0:
+                # Autograd now holds the only references it needs: drop ours so the
+                # memory goes as soon as the layer's backward is done with it.
+                unit.reloaded = None
+        return out
+
+    def wait_for_reloads(self) -> None:
+        """Make the current stream wait for every reload copy still outstanding.
+
+        Joins the copy stream back into the compute stream (required at the end of a
+        CUDA graph capture), and makes dropping reload buffers safe.
+        """
+        if self._plan is None:
+            return
+        for unit in self._plan.units:
+            if unit.restored is not None and not unit.waited:
+                self.transport.wait(unit.restored)
+                unit.waited = True
+
+    def release_all_memory(self) -> None:
+        """Drop every tensor of this layer; host buffers go back to the pool unless retained.
+
+        Allowed in any state. Copies still in flight are waited for first (on the
+        stream, not the host), so memory is never reused under a running copy.
+        """
+        if self._plan is not None:
+            for unit in self._plan.units:
+                if unit.tensor is not None:
+                    self.transport.wait(unit.copied)
+                if unit.restored is not None and not unit.waited:
+                    self.transport.wait(unit.restored)
+                if unit.host is not None and not self.retain_pinned_cpu_buffers:
+                    self.transport.pool.release(unit.host)
+                unit.host = unit.tensor = unit.reloaded = None
+        self._plan = None
+        self._entries = []
+        self.phase = LayerPhase.NOT_OFFLOADED
+
+    # -- reporting -------------------------------------------------------------------
+
+    def reloaded_tensors(self) -> list[torch.Tensor | None]:
+        """The device tensors of the current reload, by unit order (None where released)."""
+        return [] if self._plan is None else [u.reloaded for u in self._plan.units]
+
+    def get_offloaded_total_size_mb(self) -> float:
+        """MiB held in host copies of this layer's tensors."""
+        if self._plan is None or self.phase is LayerPhase.NOT_OFFLOADED:
+            return 0.0
+        return sum(u.nbytes for u in self._plan.units) / _MIB

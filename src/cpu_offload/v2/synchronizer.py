@@ -1,0 +1,333 @@
+"""Synchronizers: decide *when* each layer's tensors move.
+
+:class:`OffloadSynchronizer` keeps one :class:`OffloadableLayerState` per layer and
+counts forward and backward steps. Its subclasses decide the moments:
+:class:`DefaultOffloadSynchronizer` follows a schedule (the default k-of-n rule, or a
+``synchronization_dict``), :class:`ManualOffloadSynchronizer` leaves them to the caller.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .._compat import capture_buffer_policy, is_current_stream_capturing, queue_backward_callback
+from .._tensor_group import TensorGroupProcessor
+from .._transport import CudaTransport, Transport, default_transport
+from .layer_state import LayerPhase, OffloadableLayerState
+from .schedule import Point, Schedule, SyncDict, default_synchronization_dict
+
+__all__ = [
+    "DefaultOffloadSynchronizer",
+    "ManualOffloadSynchronizer",
+    "OffloadSynchronizer",
+]
+
+
+@dataclass(frozen=True)
+class _Packed:
+    """What autograd keeps for an offloaded tensor: where to find it again."""
+
+    layer: int
+    index: int
+    iteration: int
+
+
+class OffloadSynchronizer:
+    """One layer state per layer, and the forward/backward step counting.
+
+    Args:
+        num_layers: Number of layers run under the offload context per iteration.
+        retain_pinned_cpu_buffers: Keep each layer's host buffers across iterations.
+        offload_stream: CUDA stream for the copies (a new one if None).
+        transport: What moves the bytes (overrides ``offload_stream``); by default the
+            CUDA transport when CUDA is available, else the CPU stand-in.
+        policy: Which saved tensors are candidates for offloading.
+
+    Raises:
+        TypeError / ValueError: On a bad argument, naming it.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        retain_pinned_cpu_buffers: bool = False,
+        offload_stream: torch.cuda.Stream | None = None,
+        *,
+        transport: Transport | None = None,
+        policy: Callable[[torch.Tensor], bool] | None = None,
+    ) -> None:
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int):
+            raise TypeError(f"num_layers must be an int, got {type(num_layers).__name__}")
+        if num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+        if not isinstance(retain_pinned_cpu_buffers, bool):
+            raise TypeError("retain_pinned_cpu_buffers must be a bool")
+        self.num_layers = num_layers
+        self.retain_pinned_cpu_buffers = retain_pinned_cpu_buffers
+        self.transport = transport if transport is not None else default_transport(offload_stream)
+        self.policy = policy if policy is not None else self.transport.accepts
+        processor = TensorGroupProcessor()
+        self.layers = [
+            OffloadableLayerState(
+                transport=self.transport,
+                retain_pinned_cpu_buffers=retain_pinned_cpu_buffers,
+                policy=self.policy,
+                processor=processor,
+                name=f"layer {i}",
+            )
+            for i in range(num_layers)
+        ]
+        self.iteration = 0
+        self.current_layer: int | None = None  # layer whose forward runs now
+        self._forwards = 0  # forwards begun in this iteration
+        self._backward_layers: list[int] = []  # layers whose backward began in this part
+        self._callback_queued = False
+        self._warned_on_demand = False
+
+    # -- the step protocol -------------------------------------------------------------
+
+    def fwd_step(self) -> int:
+        """Call before each layer's forward. Returns the layer id.
+
+        After ``num_layers`` forwards the next call starts a new iteration and releases
+        every layer's memory first.
+
+        Raises:
+            RuntimeError: When a CUDA graph is being captured below PyTorch 2.11 and
+                buffers are not retained (see :func:`cpu_offload._compat.capture_buffer_policy`).
+        """
+        if isinstance(self.transport, CudaTransport):
+            capture_buffer_policy(self.retain_pinned_cpu_buffers, is_current_stream_capturing())
+        if self._forwards == self.num_layers:
+            self.start_new_iteration()
+        layer = self._forwards
+        if self.current_layer is not None:
+            self._on_forward_end(self.current_layer)
+        self._forwards += 1
+        self.current_layer = layer
+        self._on_forward_start(layer)
+        return layer
+
+    def bwd_step(self, layer_id: int) -> None:
+        """Call when ``layer_id``'s backward is about to start."""
+        if self.current_layer is not None:
+            # The forward pass is over: the last layer's forward has ended.
+            self._on_forward_end(self.current_layer)
+            self.current_layer = None
+        if not self._callback_queued:
+            self._callback_queued = True
+            try:
+                queue_backward_callback(self.finish_part_of_bwd)
+            except RuntimeError:
+                # Not inside a backward pass (a caller driving the steps by hand): the
+                # caller calls finish_part_of_bwd itself.
+                self._callback_queued = False
+        self._backward_layers.append(layer_id)
+        self._on_backward_start(layer_id)
+
+    def finish_part_of_bwd(self) -> None:
+        """Call after each backward pass: joins outstanding reloads, releases its layers."""
+        self._callback_queued = False
+        for layer in self.layers:
+            layer.wait_for_reloads()
+        for layer_id in self._backward_layers:
+            self.layers[layer_id].release_all_memory()
+        self._backward_layers.clear()
+
+    def start_new_iteration(self) -> None:
+        """Release every layer and restart the forward count at layer 0."""
+        self.release_all()
+        self.iteration += 1
+
+    def release_all(self) -> None:
+        """Drop every layer's tensors and reset the step counters."""
+        for layer in self.layers:
+            layer.release_all_memory()
+        self._forwards = 0
+        self.current_layer = None
+        self._backward_layers.clear()
+
+    # -- tensors ---------------------------------------------------------------------
+
+    def push_tensor(self, tensor: torch.Tensor) -> object:
+        """Saved-tensor pack hook: hand ``tensor`` to the current layer."""
+        layer = self.current_layer
+        if layer is None or not self._pushes_to(layer):
+            return tensor
+        out = self.layers[layer].push_tensor(tensor)
+        if isinstance(out, torch.Tensor):
+            return out
+        return _Packed(layer, out, self.iteration)
+
+    def pop_tensor(self, packed: object) -> torch.Tensor:
+        """Saved-tensor unpack hook: the tensor pushed as ``packed``."""
+        if isinstance(packed, torch.Tensor):
+            return packed
+        assert isinstance(packed, _Packed)
+        if packed.iteration != self.iteration:
+            raise RuntimeError(
+                "a tensor saved under the CPU offload context belongs to an earlier "
+                "iteration whose memory was released: run backward before the next "
+                f"forward pass of all {self.num_layers} layers (or use one offload "
+                "context per micro-batch in flight)"
+            )
+        state = self.layers[packed.layer]
+        if state.phase in (LayerPhase.OFFLOAD_STARTED, LayerPhase.OFFLOAD_FINISHED):
+            self._reload_on_demand(packed.layer, state)
+        return state.pop_tensor(packed.index)
+
+    def _reload_on_demand(self, layer_id: int, state: OffloadableLayerState) -> None:
+        # Backward needs a layer whose reload was never scheduled (a partial backward,
+        # autograd.grad, a manual schedule without start_reload_layer): do it now.
+        if not self._warned_on_demand:
+            self._warned_on_demand = True
+            warnings.warn(
+                f"cpu_offload: backward reached layer {layer_id} before its reload was "
+                "started; reloading it now, without overlap. Check model_layers and that "
+                "every layer's output went through sync_function.",
+                stacklevel=3,
+            )
+        if state.phase is LayerPhase.OFFLOAD_STARTED:
+            state.release_activation_forward_gpu_memory()
+        state.start_reload()
+
+    # -- reporting -------------------------------------------------------------------
+
+    def get_offloaded_total_size_mb(self) -> float:
+        """MiB held in host copies across all layers."""
+        return sum(layer.get_offloaded_total_size_mb() for layer in self.layers)
+
+    def is_layer_offloaded(self, layer_id: int) -> bool:
+        """Whether ``layer_id``'s saved tensors may be offloaded."""
+        return self._pushes_to(layer_id)
+
+    # -- what subclasses decide ------------------------------------------------------
+
+    def _pushes_to(self, layer_id: int) -> bool:
+        return True
+
+    def _on_forward_start(self, layer_id: int) -> None:
+        """Work due when ``layer_id``'s forward begins."""
+
+    def _on_forward_end(self, layer_id: int) -> None:
+        """Work due when ``layer_id``'s forward has ended."""
+
+    def _on_backward_start(self, layer_id: int) -> None:
+        """Work due when ``layer_id``'s backward begins."""
+
+
+class DefaultOffloadSynchronizer(OffloadSynchronizer):
+    """The default schedule: offload the first k of n layers, overlapping compute.
+
+    Careful: here ``num_layers`` is the number of *model* layers and
+    ``num_offloaded_layers`` the k of the schedule, unlike ``get_cpu_offload_context``.
+
+    Args:
+        num_layers: Number of model layers (n).
+        num_offloaded_layers: Layers to offload (k); ``num_layers - 1`` if None.
+        retain_pinned_cpu_buffers: Keep each layer's host buffers across iterations.
+        offload_stream: CUDA stream for the copies (a new one if None).
+        synchronization_dict: A validated schedule that replaces the k-of-n rule.
+        transport, policy: As for :class:`OffloadSynchronizer`.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_offloaded_layers: int | None = None,
+        retain_pinned_cpu_buffers: bool = False,
+        offload_stream: torch.cuda.Stream | None = None,
+        *,
+        synchronization_dict: SyncDict | None = None,
+        transport: Transport | None = None,
+        policy: Callable[[torch.Tensor], bool] | None = None,
+    ) -> None:
+        super().__init__(
+            num_layers,
+            retain_pinned_cpu_buffers,
+            offload_stream,
+            transport=transport,
+            policy=policy,
+        )
+        if synchronization_dict is None:
+            k = num_layers - 1 if num_offloaded_layers is None else num_offloaded_layers
+            if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < num_layers:
+                raise ValueError(
+                    f"num_offloaded_layers must be an int in [0, {num_layers - 1}], got {k!r}"
+                )
+            synchronization_dict = default_synchronization_dict(k, num_layers)
+        self.schedule = Schedule(synchronization_dict)
+
+    def _pushes_to(self, layer_id: int) -> bool:
+        return layer_id in self.schedule.offloaded
+
+    def _run_point(self, point: Point) -> None:
+        for layer in self.schedule.finish_at.get(point, ()):
+            state = self.layers[layer]
+            if state.phase is LayerPhase.NOT_OFFLOADED and state.has_tensors:
+                state.start_offload()  # the layer's forward ended without a later fwd_step
+            if state.phase is LayerPhase.OFFLOAD_STARTED:
+                state.release_activation_forward_gpu_memory()
+        for layer in self.schedule.reload_at.get(point, ()):
+            if self.layers[layer].phase is LayerPhase.OFFLOAD_FINISHED:
+                self.layers[layer].start_reload()
+
+    def _on_forward_start(self, layer_id: int) -> None:
+        self._run_point(Point(True, layer_id))
+
+    def _on_forward_end(self, layer_id: int) -> None:
+        state = self.layers[layer_id]
+        if layer_id in self.schedule.offloaded and state.phase is LayerPhase.NOT_OFFLOADED:
+            state.start_offload()
+
+    def _on_backward_start(self, layer_id: int) -> None:
+        self._run_point(Point(False, layer_id))
+
+
+class ManualOffloadSynchronizer(OffloadSynchronizer):
+    """Offloading driven by the caller, for pipeline schedules.
+
+    Every layer's candidate tensors are held; a layer is offloaded only if the caller
+    calls :meth:`start_offload_layer`, :meth:`release_activation_forward_gpu_memory` and
+    :meth:`start_reload_layer` for it, in that order. A layer for which none is called
+    is simply not offloaded.
+    """
+
+    def _layer(self, layer_id: int) -> OffloadableLayerState:
+        if isinstance(layer_id, bool) or not isinstance(layer_id, int):
+            raise TypeError(f"layer_id must be an int, got {type(layer_id).__name__}")
+        if not 0 <= layer_id < self.num_layers:
+            raise ValueError(f"layer_id must be in [0, {self.num_layers - 1}], got {layer_id}")
+        return self.layers[layer_id]
+
+    def start_offload_layer(self, layer_id: int) -> None:
+        """Queue asynchronous device-to-host copies of ``layer_id``'s saved tensors.
+
+        Each copy waits for the event recorded when its tensor was saved.
+
+        Raises:
+            RuntimeError: If the layer's offload already started.
+        """
+        self._layer(layer_id).start_offload()
+
+    def release_activation_forward_gpu_memory(self, layer_id: int) -> None:
+        """Make the current stream wait for ``layer_id``'s offload, then free its memory.
+
+        Raises:
+            RuntimeError: If :meth:`start_offload_layer` was not called first.
+        """
+        self._layer(layer_id).release_activation_forward_gpu_memory()
+
+    def start_reload_layer(self, layer_id: int) -> None:
+        """Queue host-to-device copies of ``layer_id``'s tensors.
+
+        The compute stream waits for each tensor's copy when backward first uses it.
+
+        Raises:
+            RuntimeError: If the layer's memory was not released first.
+        """
+        self._layer(layer_id).start_reload()
