@@ -1,0 +1,215 @@
+"""Tests of ``cpu_offload._compat``, the one module that asks which PyTorch is running.
+
+The version-dependent decisions are checked for releases on both sides of 2.11 with
+explicit version strings, and once more against the torch actually installed, which
+differs per entry of the nox matrix (compat/README.md).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from packaging.version import Version
+
+import cpu_offload
+from cpu_offload import _compat
+
+BELOW_2_11 = ["2.6.0", "2.9.1+cu126", "2.10.0", "2.10.0+cu128", "2.10.1"]
+FROM_2_11 = ["2.11.0", "2.11.0a0+git123", "2.11.0rc1", "2.13.0+cpu", "2.15.0", "3.0.0"]
+
+
+# ---- parse_torch_version ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("2.10.0+cu128", "2.10.0"),
+        ("2.11.0a0+git123", "2.11.0a0"),
+        ("2.13.0+cpu", "2.13.0"),
+        ("2.6.0", "2.6.0"),
+        ("2.15.0", "2.15.0"),
+    ],
+)
+def test_parse_drops_the_local_suffix(text: str, expected: str) -> None:
+    parsed = _compat.parse_torch_version(text)
+    assert parsed == Version(expected)
+    assert parsed.local is None
+
+
+def test_parse_keeps_the_pre_release_of_a_nightly() -> None:
+    parsed = _compat.parse_torch_version("2.11.0a0+git123")
+    assert parsed.release == (2, 11, 0)
+    assert parsed.is_prerelease
+
+
+def test_builds_of_one_release_compare_equal() -> None:
+    assert _compat.parse_torch_version("2.10.0+cu128") == _compat.parse_torch_version("2.10.0+cpu")
+
+
+@pytest.mark.parametrize("text", ["not-a-version", "", "2.x", "torch 2.6"])
+def test_parse_rejects_invalid_strings(text: str) -> None:
+    with pytest.raises(ValueError, match="cannot parse"):
+        _compat.parse_torch_version(text)
+
+
+def test_minimum_and_threshold() -> None:
+    assert Version("2.6") == _compat.MIN_TORCH
+    assert Version("2.11") == _compat.PINNED_ALLOC_IN_CAPTURE
+
+
+# ---- pinned_alloc_in_capture_supported ----------------------------------------------
+
+
+@pytest.mark.parametrize("version", BELOW_2_11)
+def test_no_pinned_alloc_in_capture_below_2_11(version: str) -> None:
+    assert _compat.pinned_alloc_in_capture_supported(version) is False
+    assert _compat.pinned_alloc_in_capture_supported(Version(version)) is False
+
+
+@pytest.mark.parametrize("version", FROM_2_11)
+def test_pinned_alloc_in_capture_from_2_11(version: str) -> None:
+    # 2.11.0a0 (a nightly of the 2.11 branch) already has pytorch#167507.
+    assert _compat.pinned_alloc_in_capture_supported(version) is True
+    assert _compat.pinned_alloc_in_capture_supported(Version(version)) is True
+
+
+# ---- capture_buffer_policy ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", BELOW_2_11 + FROM_2_11)
+@pytest.mark.parametrize("capturing", [False, True])
+def test_retained_buffers_are_always_kept(version: str, capturing: bool) -> None:
+    assert (
+        _compat.capture_buffer_policy(
+            retain_pinned_cpu_buffers=True, capturing=capturing, version=version
+        )
+        == "retained"
+    )
+
+
+@pytest.mark.parametrize("version", BELOW_2_11 + FROM_2_11)
+def test_eager_without_retention_uses_the_pool(version: str) -> None:
+    assert (
+        _compat.capture_buffer_policy(
+            retain_pinned_cpu_buffers=False, capturing=False, version=version
+        )
+        == "pool"
+    )
+
+
+@pytest.mark.parametrize("version", FROM_2_11)
+def test_capture_without_retention_uses_the_pool_from_2_11(version: str) -> None:
+    assert (
+        _compat.capture_buffer_policy(
+            retain_pinned_cpu_buffers=False, capturing=True, version=version
+        )
+        == "pool"
+    )
+
+
+@pytest.mark.parametrize("version", BELOW_2_11)
+def test_capture_without_retention_is_refused_below_2_11(version: str) -> None:
+    with pytest.raises(RuntimeError) as info:
+        _compat.capture_buffer_policy(
+            retain_pinned_cpu_buffers=False, capturing=True, version=version
+        )
+    message = str(info.value)
+    assert "retain_pinned_cpu_buffers=True" in message
+    assert str(Version(version).public) in message  # names the running release
+    assert "2.11" in message  # and the release that lifts the limit
+
+
+# ---- against the torch that is installed --------------------------------------------
+
+
+def _installed_release() -> tuple[int, int]:
+    """(major, minor) of ``torch.__version__``, read without the compat module."""
+    m = re.match(r"(\d+)\.(\d+)", torch.__version__)
+    assert m is not None, torch.__version__
+    return int(m[1]), int(m[2])
+
+
+def test_torch_version_is_the_installed_one() -> None:
+    assert _compat.TORCH_VERSION.release[:2] == _installed_release()
+    assert _compat.TORCH_VERSION.local is None
+    assert _compat.TORCH_VERSION >= _compat.MIN_TORCH
+
+
+def test_installed_torch_decision() -> None:
+    """Below 2.11 (the 2.10.0 entry) capture without retention is refused; from 2.11 on
+    (the 2.13.0 and later entries) it uses the pool. The expected answer comes from
+    ``torch.__version__`` read here, not from the shim."""
+    expect_pool = _installed_release() >= (2, 11)
+    assert _compat.pinned_alloc_in_capture_supported() is expect_pool
+    assert _compat.capture_buffer_policy(False, capturing=False) == "pool"
+    assert _compat.capture_buffer_policy(True, capturing=True) == "retained"
+    if expect_pool:
+        assert _compat.capture_buffer_policy(False, capturing=True) == "pool"
+    else:
+        with pytest.raises(RuntimeError, match=r"retain_pinned_cpu_buffers=True"):
+            _compat.capture_buffer_policy(False, capturing=True)
+
+
+def test_is_current_stream_capturing_is_false_outside_a_capture() -> None:
+    assert _compat.is_current_stream_capturing() is False
+
+
+@pytest.mark.parametrize(
+    ("device", "version", "expected"),
+    [
+        ("cuda", "2.6.0", True),
+        ("cpu", "2.6.0", True),
+        ("cpu", "2.3.0", False),
+        ("mps", "2.13.0", False),
+    ],
+)
+def test_fused_optimizer_supported(device: str, version: str, expected: bool) -> None:
+    assert _compat.fused_optimizer_supported(device, version) is expected
+
+
+def test_plain_tensors_are_not_fake_or_functional() -> None:
+    assert _compat.is_fake_or_functional(torch.ones(3)) is False
+
+
+# ---- only the compat module looks at the PyTorch version ----------------------------
+
+_VERSION_LOOKS = re.compile(
+    r"torch\.__version__"
+    r"|torch\.version\.__version__"
+    r"|packaging\.version"
+    r"|from\s+packaging\s+import\s+(?:[\w\s,(]*\b)?version\b"
+)
+
+
+def test_only_the_compat_module_looks_at_the_torch_version() -> None:
+    package = Path(cpu_offload.__file__).resolve().parent
+    sources = sorted(package.rglob("*.py"))
+    assert package / "_compat.py" in sources
+    offenders = [
+        f"{path.relative_to(package)}:{n}: {line.strip()}"
+        for path in sources
+        if path.name != "_compat.py" or path.parent != package
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if _VERSION_LOOKS.search(line)
+    ]
+    assert not offenders, (
+        "only cpu_offload/_compat.py may look at the PyTorch version "
+        "(torch.__version__, packaging.version); add a shim there instead:\n" + "\n".join(offenders)
+    )
+
+
+def test_the_grep_pattern_catches_what_it_should() -> None:
+    for line in [
+        "if torch.__version__ >= '2.11':",
+        "from packaging.version import Version",
+        "import packaging.version",
+        "from packaging import version",
+        "from packaging import specifiers, version",
+    ]:
+        assert _VERSION_LOOKS.search(line), line
+    for line in ["from cpu_offload._compat import TORCH_VERSION", "torch.version.cuda"]:
+        assert not _VERSION_LOOKS.search(line), line
