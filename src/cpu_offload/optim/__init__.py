@@ -1,0 +1,26 @@
+"""Optimizer-state offloading: :class:`HybridDeviceOptimizer` and its measurement tools.
+
+``HybridDeviceOptimizer`` has Megatron-LM's constructor and contract (see SPEC section 6
+and ``docs/optimizer-offload.md``); :func:`compute_offload_split` is its split rule on a
+plain parameter list; :func:`measure_optimizer` and
+:func:`measure_host_optimizer_throughput` time one configuration on a given model (used
+by ``benchmarks/optimizer_offload.py`` and the comparison tool).
+"""
+
+from ._hybrid import HybridDeviceOptimizer
+from ._measure import (
+    OptimizerMeasurement,
+    measure_host_optimizer_throughput,
+    measure_optimizer,
+    optimizer_device_state_bytes,
+)
+from ._split import compute_offload_split
+
+__all__ = [
+    "HybridDeviceOptimizer",
+    "OptimizerMeasurement",
+    "compute_offload_split",
+    "measure_host_optimizer_throughput",
+    "measure_optimizer",
+    "optimizer_device_state_bytes",
+]
