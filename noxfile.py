@@ -256,9 +256,9 @@ def _print_summary(session: nox.Session) -> None:
             f"  {entry.id:<14}{row.get('torch', '-'):<15}{status:<10}"
             f"{_fmt_s(row.get('install_s')):>9}{_fmt_s(row.get('tests_s')):>9}  {note}"
         )
-    status = {e.id: _RESULTS.get(e.id, {}).get("status") for e in matrix.ENTRIES}
-    ran = [k for k, v in status.items() if v in ("passed", "FAILED")]
-    left = [k for k, v in status.items() if v == "left out"]
+    outcome = {e.id: _RESULTS.get(e.id, {}).get("status") for e in matrix.ENTRIES}
+    ran = [k for k, v in outcome.items() if v in ("passed", "FAILED")]
+    left = [k for k, v in outcome.items() if v == "left out"]
     lines.append(f"Ran: {', '.join(ran) or 'none'}. Left out: {', '.join(left) or 'none'}.")
     lines.append(
         f"matrix: {totals['passed']} passed, {totals['failed']} failed, {totals['skipped']} skipped"

@@ -151,13 +151,13 @@ def decide(
     if not disk_ok:
         return Decision(
             False,
-            f"left out: {_gb(free_bytes)} free on disk, the {source} needs about {_gb(need)}",
+            f"only {_gb(free_bytes)} free on disk, the {source} needs about {_gb(need)}",
         )
     if elapsed_s + e.expected_s > budget_s:
         return Decision(
             False,
-            f"left out: {elapsed_s / 60:.0f} min elapsed, about {e.expected_s / 60:.0f} min "
-            f"more would pass the {budget_s / 60:.0f} min budget",
+            f"{elapsed_s / 60:.1f} min elapsed, about {e.expected_s / 60:.0f} min more would "
+            f"pass the time budget of {budget_s / 60:.0f} min",
         )
     return Decision(True, f"optional; {source}; {_gb(free_bytes)} free")
 
