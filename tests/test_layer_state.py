@@ -1,0 +1,243 @@
+"""OffloadableLayerState on the CPU stand-in: the state machine, sizes, release and buffers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cpu_offload import HostTransport
+from cpu_offload.v2 import OffloadableLayerState
+
+MIB = 1024 * 1024
+
+
+def _state(**kwargs) -> OffloadableLayerState:
+    return OffloadableLayerState(None, transport=HostTransport(), **kwargs)
+
+
+def _tensors(seed: int = 0, shapes=((256, 1024), (64, 32), (8, 8, 8))) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(*s, generator=gen) for s in shapes]
+
+
+def _to(state: OffloadableLayerState, phase: str) -> None:
+    """Walk ``state`` (holding tensors) forward to ``phase``."""
+    steps = {
+        "not_offloaded": state.start_offload,
+        "offload_started": state.release_activation_forward_gpu_memory,
+        "offload_finished": state.start_reload,
+    }
+    while state.state != phase:
+        steps[state.state]()
+
+
+def test_round_trip_returns_equal_tensors():
+    state = _state()
+    tensors = _tensors()
+    tensors.append(torch.randn(32, 16).t())  # dense, permuted strides
+    ids = [state.push_tensor(t) for t in tensors]
+    assert all(isinstance(i, int) for i in ids)
+    assert len(set(ids)) == len(ids)
+    assert state.has_tensors
+    _to(state, "reload_started")
+    for t, i in zip(tensors, ids, strict=True):
+        out = state.pop_tensor(i)
+        assert torch.equal(out, t)
+        assert out.stride() == t.stride()
+        assert out.data_ptr() != t.data_ptr()  # a copy came back, not the original
+    nbytes = sum(t.nbytes for t in tensors)
+    assert state.transport.bytes_offloaded == state.transport.bytes_reloaded == nbytes
+
+
+def test_device_tensors_dropped_after_release():
+    state = _state()
+    t = torch.randn(64, 64)
+    i = state.push_tensor(t)
+    _to(state, "offload_finished")
+    # The state keeps no reference to the device tensor any more.
+    assert all(e.tensor is None for e in state._entries)
+    _to(state, "reload_started")
+    assert torch.equal(state.pop_tensor(i), t)
+
+
+def test_pop_in_not_offloaded_returns_the_tensor_itself():
+    state = _state()
+    t = torch.randn(16, 16)
+    i = state.push_tensor(t)
+    assert state.pop_tensor(i) is t
+    assert state.pop_tensor(t) is t  # a tensor (not an id) is given back as is
+
+
+def test_policy_rejected_tensor_is_returned_as_is():
+    state = OffloadableLayerState(
+        None, transport=HostTransport(), policy=lambda t: t.numel() >= 100
+    )
+    small, big = torch.randn(9), torch.randn(10, 10)
+    assert state.push_tensor(small) is small
+    i = state.push_tensor(big)
+    assert isinstance(i, int)
+    _to(state, "reload_started")
+    assert state.pop_tensor(small) is small
+    assert torch.equal(state.pop_tensor(i), big)
+    assert state.transport.bytes_offloaded == big.nbytes
+
+
+_METHODS = {
+    "push_tensor": (lambda s: s.push_tensor(torch.randn(4)), ["not_offloaded"]),
+    "start_offload": (lambda s: s.start_offload(), ["not_offloaded"]),
+    "release_activation_forward_gpu_memory": (
+        lambda s: s.release_activation_forward_gpu_memory(),
+        ["offload_started"],
+    ),
+    "start_reload": (lambda s: s.start_reload(), ["offload_finished"]),
+    "pop_tensor": (lambda s: s.pop_tensor(0), ["not_offloaded", "reload_started"]),
+}
+_PHASES = ["not_offloaded", "offload_started", "offload_finished", "reload_started"]
+
+
+@pytest.mark.parametrize(
+    ("method", "phase"),
+    [(m, p) for m, (_, allowed) in _METHODS.items() for p in _PHASES if p not in allowed],
+)
+def test_wrong_state_raises(method, phase):
+    call, allowed = _METHODS[method]
+    state = _state()
+    state.push_tensor(torch.randn(8, 8))
+    _to(state, phase)
+    with pytest.raises(RuntimeError) as info:
+        call(state)
+    msg = str(info.value)
+    assert f"{method}()" in msg, msg
+    assert f"'{phase}'" in msg, msg
+    assert "allowed in: " + ", ".join(allowed) in msg, msg
+    assert state.state == phase  # a refused call changes nothing
+
+
+def test_total_size_mb():
+    state = _state()
+    assert state.get_offloaded_total_size_mb() == 0
+    a, b = torch.randn(256, 1024), torch.randn(128, 1024, dtype=torch.float64)  # 1 + 1 MiB
+    state.push_tensor(a)
+    state.push_tensor(b)
+    assert state.get_offloaded_total_size_mb() == 0  # nothing is on the host yet
+    for phase in _PHASES[1:]:
+        _to(state, phase)
+        assert state.get_offloaded_total_size_mb() == pytest.approx(2.0)
+    state.release_all_memory()
+    assert state.get_offloaded_total_size_mb() == 0
+    assert (a.nbytes + b.nbytes) / MIB == 2.0
+
+
+@pytest.mark.parametrize("phase", _PHASES)
+def test_release_all_memory_from_every_state(phase):
+    transport = HostTransport()
+    state = OffloadableLayerState(None, transport=transport)
+    t = torch.randn(32, 32)
+    i = state.push_tensor(t)
+    _to(state, phase)
+    state.release_all_memory()
+    assert state.state == "not_offloaded"
+    assert not state.has_tensors
+    assert state.get_offloaded_total_size_mb() == 0
+    assert state.reloaded_tensors() == []
+    # Host buffers went back to the pool (one buffer, if the offload had started).
+    free = sum(len(b) for b in transport.pool._free.values())
+    assert free == transport.pool.allocations == (0 if phase == "not_offloaded" else 1)
+    # The old id is gone...
+    with pytest.raises(RuntimeError, match="holds no saved tensor 0"):
+        state.pop_tensor(i)
+    # ... and the state works again.
+    state.release_all_memory()  # twice is fine
+    j = state.push_tensor(t)
+    _to(state, "reload_started")
+    assert torch.equal(state.pop_tensor(j), t)
+
+
+def _iteration(state: OffloadableLayerState, tensors: list[torch.Tensor]) -> None:
+    ids = [state.push_tensor(t) for t in tensors]
+    _to(state, "reload_started")
+    for t, i in zip(tensors, ids, strict=True):
+        assert torch.equal(state.pop_tensor(i), t)
+    state.release_all_memory()
+
+
+def test_pool_second_identical_iteration_allocates_nothing():
+    transport = HostTransport()
+    state = OffloadableLayerState(None, transport=transport)
+    _iteration(state, _tensors(0))
+    allocations, nbytes = transport.pool.allocations, transport.pool.allocated_bytes
+    assert allocations == 3
+    assert nbytes == sum(t.nbytes for t in _tensors(0))
+    for seed in (1, 2, 3):
+        _iteration(state, _tensors(seed))
+    assert transport.pool.allocations == allocations
+    assert transport.pool.allocated_bytes == nbytes
+    # A new size does allocate.
+    _iteration(state, [torch.randn(7, 7)])
+    assert transport.pool.allocations == allocations + 1
+
+
+def test_pool_shared_by_two_states():
+    transport = HostTransport()
+    a = OffloadableLayerState(None, transport=transport, name="a")
+    b = OffloadableLayerState(None, transport=transport, name="b")
+    _iteration(a, _tensors(0))
+    _iteration(b, _tensors(1))  # same sizes: a's buffers are reused
+    assert transport.pool.allocations == 3
+
+
+def test_retained_buffers_keep_their_addresses():
+    transport = HostTransport()
+    state = OffloadableLayerState(None, retain_pinned_cpu_buffers=True, transport=transport)
+    _iteration(state, _tensors(0))
+    retained = list(state._retained)
+    assert len(retained) == 3
+    ptrs = [b.data_ptr() for b in retained]
+    # Retained buffers stay with the layer: the pool does not get them back.
+    assert sum(len(b) for b in transport.pool._free.values()) == 0
+    for seed in (1, 2):
+        tensors = _tensors(seed)
+        ids = [state.push_tensor(t) for t in tensors]
+        _to(state, "offload_finished")
+        # The host copies of this iteration live in the very same buffers.
+        assert all(u.host is r for u, r in zip(state._plan.units, retained, strict=True))
+        assert [u.host.data_ptr() for u in state._plan.units] == ptrs
+        _to(state, "reload_started")
+        for t, i in zip(tensors, ids, strict=True):
+            assert torch.equal(state.pop_tensor(i), t)  # this iteration's values
+        state.release_all_memory()
+        assert [b.data_ptr() for b in state._retained] == ptrs
+    assert transport.pool.allocations == 3
+
+
+def test_retained_buffers_shape_change_is_an_error():
+    state = OffloadableLayerState(None, retain_pinned_cpu_buffers=True, transport=HostTransport())
+    _iteration(state, _tensors(0))
+    state.push_tensor(torch.randn(256, 1024))
+    state.push_tensor(torch.randn(65, 32))  # was 64 x 32
+    state.push_tensor(torch.randn(8, 8, 8))
+    with pytest.raises(RuntimeError, match="retain_pinned_cpu_buffers") as info:
+        state.start_offload()
+    assert "same saved tensors every iteration" in str(info.value)
+    assert state.state == "not_offloaded"
+    state.release_all_memory()
+    _iteration(state, _tensors(5))  # the original shapes still work
+
+
+def test_retained_buffers_fewer_tensors_is_an_error():
+    state = OffloadableLayerState(None, retain_pinned_cpu_buffers=True, transport=HostTransport())
+    _iteration(state, _tensors(0))
+    state.push_tensor(torch.randn(256, 1024))
+    with pytest.raises(RuntimeError, match="retain_pinned_cpu_buffers"):
+        state.start_offload()
+
+
+def test_reloaded_tensor_dropped_after_last_pop():
+    state = _state()
+    t = torch.randn(16, 16)
+    i = state.push_tensor(t)
+    _to(state, "reload_started")
+    assert state.reloaded_tensors()[0] is not None
+    out = state.pop_tensor(i)
+    assert state.reloaded_tensors() == [None]
+    assert torch.equal(out, t)
