@@ -57,27 +57,37 @@ _FUSABLE_CLASSES: tuple[type[torch.optim.Optimizer], ...] = (
 ParamsT = Iterable[torch.Tensor] | Iterable[dict[str, Any]]
 
 
+# Integer dtype of each element width, to read a tensor's bits element by element.
+_INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.int64}
+
+
 def _fingerprint(tensor: torch.Tensor) -> torch.Tensor:
-    """A 2-element int32 checksum of ``tensor``'s bytes, computed where the tensor lives.
+    """An exact checksum of ``tensor``'s bits: (wrapping sum, max, min) of its elements
+    read as integers of their own width, as int64, on the tensor's device.
 
-    The bulk is the wrapping int32 sum of the bytes read as int32 words (no widened copy
-    is made, unlike an int64 sum), the unaligned head and tail bytes are summed apart.
-    Any realistic in-place edit of a gradient (scaling, clipping, unscaling, all-reduce,
-    zeroing) changes it; integer addition is associative, so it is deterministic.
+    Exact integer reductions give the same answer on the host copy and on the device
+    tensor, whatever the reduction order or alignment, and need no widened copy. The sum
+    catches edits of single elements; max and min catch uniform power-of-2 scaling
+    (``GradScaler``), which shifts every element's integer by the same amount and can
+    leave a wrapping sum unchanged.
     """
-    raw = tensor.detach().reshape(-1).view(torch.uint8)
-    head = min((4 - raw.storage_offset() % 4) % 4, raw.numel())
-    body_len = (raw.numel() - head) // 4 * 4
-    body = raw[head : head + body_len].view(torch.int32).sum(dtype=torch.int32)
-    rest = torch.cat([raw[:head], raw[head + body_len :]]).to(torch.int32).sum(dtype=torch.int32)
-    return torch.stack([body, rest])
+    if tensor.numel() == 0:
+        return torch.zeros(3, dtype=torch.int64, device=tensor.device)
+    ints = tensor.detach().reshape(-1).view(_INT_VIEW[tensor.element_size()])
+    return torch.stack([ints.sum(dtype=ints.dtype), ints.amax(), ints.amin()]).to(torch.int64)
 
 
-def _upcast(event: torch.cuda.Event | None, dst: torch.Tensor, src: torch.Tensor) -> None:
-    # Runs on the worker thread: wait for the D2H copy, then widen on the host.
+def _after_copy(
+    event: torch.cuda.Event | None, buf: torch.Tensor, widened: torch.Tensor | None
+) -> torch.Tensor:
+    # Runs on the worker thread while backward goes on: wait for the copy to the host,
+    # fingerprint what arrived, and widen it for the fp32 master if there is one.
     if event is not None:
         event.synchronize()
-    dst.copy_(src)
+    fingerprint = _fingerprint(buf)
+    if widened is not None:
+        widened.copy_(buf)
+    return fingerprint
 
 
 @dataclass(eq=False)
@@ -86,9 +96,8 @@ class _EarlyCopy:
 
     grad: weakref.ref[torch.Tensor]
     version: int
-    fingerprint: torch.Tensor
-    fingerprint_event: torch.cuda.Event | None
     copy_event: torch.cuda.Event | None
+    done: Future[torch.Tensor]  # the fingerprint of the copy, once it has arrived
     widened: bool
 
 
@@ -106,7 +115,7 @@ class _Entry:
     host_grad: torch.Tensor | None = None  # widened host gradient (master only)
     stage: torch.Tensor | None = None  # host buffer in the parameter's dtype for H2D
     early: _EarlyCopy | None = None
-    pending: Future[None] | None = None  # last widening queued on the worker
+    pending: Future[torch.Tensor] | None = None  # last task queued on the worker
     d2h_event: torch.cuda.Event | None = None
     h2d_event: torch.cuda.Event | None = None
     widened: bool = False
@@ -206,6 +215,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         >>> opt.step()
         >>> opt.zero_grad()
     """
+
+    # Gradients smaller than this are copied in step(), not from backward: checking an
+    # early copy costs a few kernel launches, more than copying a small gradient again.
+    _early_min_numel = 1 << 19
 
     def __init__(
         self,
@@ -628,33 +641,28 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         grad = entry.param.grad
         if generation != self._generation or grad is None or grad.is_sparse:
             return
-        if is_current_stream_capturing():
+        if grad.numel() < self._early_min_numel or is_current_stream_capturing():
             return
         if entry.pending is not None:
-            # The worker may still widen the previous copy of this buffer.
+            # The worker may still read the previous copy in this buffer.
             entry.pending.result()
             entry.pending = None
         buf = self._grad_buffer(entry, grad)
         stream = self._d2h_stream
+        copy_event = None
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(grad.device))
             with torch.cuda.stream(stream):
-                fingerprint = _fingerprint(grad)
-                fingerprint_event = stream.record_event()
                 buf.copy_(grad, non_blocking=True)
                 copy_event = stream.record_event()
             # The side stream reads the gradient: keep its memory until that is done.
             grad.record_stream(stream)
         else:
-            fingerprint = _fingerprint(grad)
-            fingerprint_event = copy_event = None
             buf.copy_(grad)
-        widened = False
-        if entry.host_grad is not None:
-            entry.pending = self._worker().submit(_upcast, copy_event, entry.host_grad, buf)
-            widened = True
+        done = self._worker().submit(_after_copy, copy_event, buf, entry.host_grad)
+        entry.pending = done
         entry.early = _EarlyCopy(
-            weakref.ref(grad), grad._version, fingerprint, fingerprint_event, copy_event, widened
+            weakref.ref(grad), grad._version, copy_event, done, entry.host_grad is not None
         )
 
     def _grad_buffer(self, entry: _Entry, grad: torch.Tensor) -> torch.Tensor:
@@ -679,14 +687,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             entry.early = record
         if not candidates:
             return 0
-        if self._d2h_stream is not None:
-            current = torch.cuda.current_stream(self._cuda_device)
-            for entry, _ in candidates:
-                assert entry.early is not None and entry.early.fingerprint_event is not None
-                current.wait_event(entry.early.fingerprint_event)
-        now = torch.stack([_fingerprint(g) for _, g in candidates])
-        then = torch.stack([e.early.fingerprint for e, _ in candidates])  # type: ignore[union-attr]
-        same = (now == then).all(dim=1).cpu().tolist()
+        # Fingerprints of the gradients as they are now, on the device (one small copy
+        # back for all of them), against those of the copies, taken on the host.
+        now = torch.stack([_fingerprint(g) for _, g in candidates]).cpu()
+        then = torch.stack([e.early.done.result() for e, _ in candidates])  # type: ignore[union-attr]
+        same = (now == then).all(dim=1).tolist()
         kept = 0
         for (entry, _), ok in zip(candidates, same, strict=True):
             if ok:

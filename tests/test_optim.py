@@ -1,0 +1,663 @@
+"""CPU tests of cpu_offload.optim (no GPU needed).
+
+The optimizer's split, step, early-copy and state-dict logic is exercised with CPU
+tensors standing in for device parameters: ``_CpuAsDevice`` overrides the test seam
+``_is_device_param`` (real use never treats CPU tensors as device tensors, see
+``test_real_use_never_offloads_cpu_params``). Copies are then synchronous, everything
+else is the code that runs on a GPU.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from cpu_offload.optim import (
+    HybridDeviceOptimizer,
+    compute_offload_split,
+    measure_host_optimizer_throughput,
+    measure_optimizer,
+    optimizer_device_state_bytes,
+)
+from cpu_offload.optim._hybrid import _fingerprint
+
+# The for-loop implementations are used where a test compares against a plain optimizer:
+# they are fast on tiny tensors (the fused CPU kernels have a large fixed cost) and the
+# comparison only needs both sides to run the same implementation.
+ADAMW = {"lr": 1e-2, "weight_decay": 0.1, "foreach": False}
+SGD = {"lr": 1e-2, "momentum": 0.9, "weight_decay": 0.01, "foreach": False}
+
+
+class _CpuAsDevice(HybridDeviceOptimizer):
+    """Treats every parameter as a device parameter, so that CPU tensors get offloaded."""
+
+    _early_min_numel = 0  # the test model's gradients are tiny
+
+    def _is_device_param(self, param: torch.Tensor) -> bool:
+        return True
+
+
+def _model(dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16, bias=False),
+        torch.nn.Linear(16, 16),
+        torch.nn.Linear(16, 8, bias=False),
+    )
+    return model.to(dtype)
+
+
+def _groups(model: torch.nn.Module, two_groups: bool) -> list[dict[str, Any]]:
+    params = list(model.parameters())
+    if not two_groups:
+        return [{"params": params}]
+    return [{"params": params[:2]}, {"params": params[2:], "lr": 3e-3, "weight_decay": 0.0}]
+
+
+def _train(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    steps: int,
+    *,
+    seed: int = 1,
+    between: Callable[[torch.nn.Module], None] | None = None,
+    scheduler: Any = None,
+) -> list[float]:
+    gen = torch.Generator().manual_seed(seed)
+    dtype = next(model.parameters()).dtype
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(4, 8, generator=gen).to(dtype)
+        loss = model(x).float().square().mean()
+        loss.backward()
+        if between is not None:
+            between(model)
+        opt.step()
+        opt.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _same(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def _roundtrip(obj: Any) -> Any:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+# ---------------------------------------------------------------------- argument checks
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, math.nan, math.inf])
+def test_fraction_out_of_range(bad: float) -> None:
+    with pytest.raises(ValueError, match="offload_fraction"):
+        HybridDeviceOptimizer(_model().parameters(), offload_fraction=bad)
+
+
+@pytest.mark.parametrize("bad", [True, "0.5", None])
+def test_fraction_wrong_type(bad: Any) -> None:
+    with pytest.raises(TypeError, match="offload_fraction"):
+        HybridDeviceOptimizer(_model().parameters(), offload_fraction=bad)
+
+
+@pytest.mark.parametrize("name", ["cpu_optimizer_cls", "gpu_optimizer_cls"])
+@pytest.mark.parametrize("bad", [dict, torch.optim.AdamW([torch.zeros(1)]), "AdamW"])
+def test_optimizer_class_checked(name: str, bad: Any) -> None:
+    with pytest.raises(TypeError, match=name):
+        HybridDeviceOptimizer(_model().parameters(), **{name: bad})
+
+
+def test_empty_params() -> None:
+    with pytest.raises(ValueError, match="params"):
+        HybridDeviceOptimizer([])
+    with pytest.raises(ValueError, match="params"):
+        HybridDeviceOptimizer([{"params": []}])
+
+
+def test_single_tensor_refused() -> None:
+    with pytest.raises(TypeError, match="params"):
+        HybridDeviceOptimizer(torch.zeros(3, requires_grad=True))
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["param_update_in_fp32", "pin_cpu_grads", "pin_cpu_params", "overlap_cpu_optimizer_d2h_h2d"],
+)
+def test_flags_must_be_bool(name: str) -> None:
+    with pytest.raises(TypeError, match=name):
+        HybridDeviceOptimizer(_model().parameters(), **{name: 1})
+
+
+def test_our_keywords_checked() -> None:
+    with pytest.raises(ValueError, match="param_copy_dtype"):
+        HybridDeviceOptimizer(_model().parameters(), param_copy_dtype="fp32")
+    with pytest.raises(TypeError, match="early_grad_copy"):
+        HybridDeviceOptimizer(_model().parameters(), early_grad_copy="yes")
+
+
+def test_constructor_signature_is_megatrons() -> None:
+    import inspect
+
+    sig = inspect.signature(HybridDeviceOptimizer.__init__)
+    names = list(sig.parameters)[1:]
+    assert names == [
+        "params",
+        "offload_fraction",
+        "cpu_optimizer_cls",
+        "gpu_optimizer_cls",
+        "param_update_in_fp32",
+        "pin_cpu_grads",
+        "pin_cpu_params",
+        "overlap_cpu_optimizer_d2h_h2d",
+        "defaults",
+    ]
+    defaults = {k: v.default for k, v in sig.parameters.items() if k not in ("self", "defaults")}
+    assert defaults == {
+        "params": inspect.Parameter.empty,
+        "offload_fraction": 0.5,
+        "cpu_optimizer_cls": None,
+        "gpu_optimizer_cls": None,
+        "param_update_in_fp32": False,
+        "pin_cpu_grads": True,
+        "pin_cpu_params": True,
+        "overlap_cpu_optimizer_d2h_h2d": True,
+    }
+
+
+# ---------------------------------------------------------------------- the split
+
+
+def test_split_megatron_rule() -> None:
+    ps = [torch.empty(10), torch.empty(30), torch.empty(60)]
+
+    def dev(p: torch.Tensor) -> bool:
+        return True
+
+    assert compute_offload_split(ps, 0.0, is_device=dev) == [False, False, False]
+    assert compute_offload_split(ps, 0.05, is_device=dev) == [True, False, False]
+    assert compute_offload_split(ps, 0.1, is_device=dev) == [True, False, False]
+    assert compute_offload_split(ps, 0.11, is_device=dev) == [True, True, False]
+    assert compute_offload_split(ps, 0.4, is_device=dev) == [True, True, False]
+    assert compute_offload_split(ps, 0.41, is_device=dev) == [True, True, True]
+    assert compute_offload_split(ps, 1.0, is_device=dev) == [True, True, True]
+
+
+def test_split_follows_group_order_and_skips_host_params() -> None:
+    dev = [torch.empty(50, device="meta"), torch.empty(50, device="meta")]
+    host = torch.empty(1000)
+    groups = [{"params": [dev[1]]}, {"params": [host, dev[0]]}]
+    # Default predicate: meta tensors are "not CPU", host tensors never offloaded, and the
+    # threshold counts device elements only.
+    assert compute_offload_split(groups, 0.5) == [True, False, False]
+    assert compute_offload_split(groups, 1.0) == [True, False, True]
+
+
+def test_split_argument_checks() -> None:
+    with pytest.raises(ValueError, match="offload_fraction"):
+        compute_offload_split([torch.empty(1)], 2.0)
+    with pytest.raises(TypeError, match="params"):
+        compute_offload_split([1, 2], 0.5)
+
+
+def test_optimizer_uses_the_split() -> None:
+    model = _model()
+    params = list(model.parameters())
+    for fraction in (0.0, 0.3, 0.5, 0.9, 1.0):
+        opt = _CpuAsDevice(params, offload_fraction=fraction, **ADAMW)
+        assert opt.offload_mask == compute_offload_split(params, fraction, is_device=lambda p: True)
+
+
+def test_real_use_never_offloads_cpu_params() -> None:
+    model, ref = _model(), _model()
+    opt = HybridDeviceOptimizer(model.parameters(), offload_fraction=1.0, **ADAMW)
+    assert opt.offload_mask == [False] * 4
+    # Host parameters are stepped in place by the host optimizer.
+    stepped = [p for sub in opt.sub_optimizers for g in sub.param_groups for p in g["params"]]
+    assert {id(p) for p in stepped} == {id(p) for p in model.parameters()}
+    _train(model, opt, 3)
+    _train(ref, torch.optim.AdamW(ref.parameters(), **ADAMW), 3)
+    assert _same(model, ref)
+
+
+# ---------------------------------------------------------------------- numerics
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("two_groups", [False, True])
+@pytest.mark.parametrize(
+    ("cls", "kwargs"), [(torch.optim.AdamW, ADAMW), (torch.optim.SGD, SGD)], ids=["adamw", "sgd"]
+)
+def test_matches_plain_optimizer(
+    fraction: float, overlap: bool, two_groups: bool, cls: type, kwargs: dict[str, Any]
+) -> None:
+    model, ref = _model(), _model()
+    opt = _CpuAsDevice(
+        _groups(model, two_groups),
+        offload_fraction=fraction,
+        cpu_optimizer_cls=cls,
+        gpu_optimizer_cls=cls,
+        overlap_cpu_optimizer_d2h_h2d=overlap,
+        **kwargs,
+    )
+    plain = cls(_groups(ref, two_groups), **kwargs)
+    _train(model, opt, 3)
+    _train(ref, plain, 3)
+    assert _same(model, ref)
+    # Offloaded parameters are stepped through host copies, never in place.
+    stepped = {id(p) for sub in opt.sub_optimizers for g in sub.param_groups for p in g["params"]}
+    for p, off in zip(model.parameters(), opt.offload_mask, strict=True):
+        assert (id(p) in stepped) is not off
+
+
+def test_host_state_sits_on_host_copies() -> None:
+    model = _model()
+    opt = _CpuAsDevice(model.parameters(), offload_fraction=0.5, **ADAMW)
+    _train(model, opt, 1)
+    params = list(model.parameters())
+    assert opt.offload_mask[0] and not opt.offload_mask[-1]
+    # The state of the first parameter belongs to a host copy holding the same values.
+    state = opt.state[params[0]]
+    assert set(state) >= {"exp_avg", "exp_avg_sq", "step"}
+    owners = [inner for sub in opt.sub_optimizers for inner, s in sub.state.items() if s is state]
+    assert len(owners) == 1
+    assert owners[0] is not params[0] and torch.equal(owners[0], params[0])
+    # The last parameter is stepped in place by the device-side optimizer.
+    assert params[-1] in opt.sub_optimizers[-1].state
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("param_copy_dtype", ["param", "master"])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_bf16_with_fp32_masters(fraction: float, param_copy_dtype: str, overlap: bool) -> None:
+    model, ref = _model(torch.bfloat16), _model(torch.bfloat16)
+    opt = _CpuAsDevice(
+        model.parameters(),
+        offload_fraction=fraction,
+        param_update_in_fp32=True,
+        param_copy_dtype=param_copy_dtype,
+        overlap_cpu_optimizer_d2h_h2d=overlap,
+        **ADAMW,
+    )
+    # Reference: plain AdamW on fp32 master copies, narrowed into the bf16 model.
+    ref_params = list(ref.parameters())
+    masters = [p.detach().float() for p in ref_params]
+    plain = torch.optim.AdamW(masters, **ADAMW)
+    gen_a, gen_b = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    for _ in range(3):
+        model(torch.randn(4, 8, generator=gen_a).bfloat16()).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        ref(torch.randn(4, 8, generator=gen_b).bfloat16()).float().square().mean().backward()
+        for m, p in zip(masters, ref_params, strict=True):
+            m.grad = p.grad.float()
+        plain.step()
+        with torch.no_grad():
+            for m, p in zip(masters, ref_params, strict=True):
+                p.copy_(m)
+                p.grad = None
+    assert _same(model, ref)
+    for p, m in zip(model.parameters(), masters, strict=True):
+        assert opt.state[p]["master_param"].dtype == torch.float32
+        assert torch.equal(opt.state[p]["master_param"], m)
+        assert opt.state[p]["exp_avg"].dtype == torch.float32
+
+
+def test_default_classes_are_fused_adamw_where_supported() -> None:
+    from cpu_offload._compat import fused_optimizer_supported
+
+    opt = _CpuAsDevice(_model().parameters(), offload_fraction=0.5, lr=1e-3)
+    assert all(isinstance(s, torch.optim.AdamW) for s in opt.sub_optimizers)
+    expected = True if fused_optimizer_supported("cpu") else None
+    assert all(s.defaults["fused"] is expected for s in opt.sub_optimizers)
+    # An explicit implementation choice is respected.
+    opt = _CpuAsDevice(_model().parameters(), lr=1e-3, foreach=False)
+    assert all(s.defaults["fused"] is None for s in opt.sub_optimizers)
+
+
+def test_lr_scheduler_reaches_sub_optimizers() -> None:
+    model, ref = _model(), _model()
+    opt = _CpuAsDevice(_groups(model, True), offload_fraction=0.5, **ADAMW)
+    plain = torch.optim.AdamW(_groups(ref, True), **ADAMW)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    sched_ref = torch.optim.lr_scheduler.StepLR(plain, step_size=1, gamma=0.5)
+    _train(model, opt, 4, scheduler=sched)
+    _train(ref, plain, 4, scheduler=sched_ref)
+    assert _same(model, ref)
+    assert all(s.param_groups[0]["lr"] < ADAMW["lr"] for s in opt.sub_optimizers)
+
+
+def test_closure_and_missing_grads() -> None:
+    model, ref = _model(), _model()
+    frozen = list(model.parameters())[1]
+    opt = _CpuAsDevice(model.parameters(), offload_fraction=1.0, **ADAMW)
+    plain = torch.optim.AdamW(ref.parameters(), **ADAMW)
+    x = torch.randn(4, 8)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        frozen.grad = None  # a parameter without a gradient is skipped
+        return loss
+
+    def closure_ref() -> torch.Tensor:
+        plain.zero_grad()
+        loss = ref(x).square().mean()
+        loss.backward()
+        list(ref.parameters())[1].grad = None
+        return loss
+
+    for _ in range(2):
+        assert torch.equal(opt.step(closure), plain.step(closure_ref))
+    assert _same(model, ref)
+    assert frozen not in opt.state
+
+
+def test_zero_grad() -> None:
+    model = _model()
+    opt = _CpuAsDevice(model.parameters(), offload_fraction=0.5, **ADAMW)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.zero_grad(set_to_none=False)
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dummy_step_creates_state_without_changing_params(dtype: torch.dtype) -> None:
+    model = _model(dtype)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = _CpuAsDevice(model.parameters(), offload_fraction=0.5, param_update_in_fp32=True, **ADAMW)
+    grad = torch.ones_like(before[0])
+    list(model.parameters())[0].grad = grad
+    opt.dummy_step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    assert len(opt.state) == 4 and all(float(s["step"]) == 1.0 for s in opt.state.values())
+    assert list(model.parameters())[0].grad is grad
+    assert all(p.grad is None for p in list(model.parameters())[1:])
+    assert all(g["lr"] == ADAMW["lr"] for g in opt.param_groups)
+
+
+def test_add_param_group_recomputes_split_and_keeps_state() -> None:
+    model, ref = _model(), _model()
+    ps, rs = list(model.parameters()), list(ref.parameters())
+    opt = _CpuAsDevice(ps[:2], offload_fraction=0.5, **ADAMW)
+    plain = torch.optim.AdamW(rs[:2], **ADAMW)
+    _train(model, opt, 2)
+    _train(ref, plain, 2)
+    opt.add_param_group({"params": ps[2:], "lr": 1e-3})
+    plain.add_param_group({"params": rs[2:], "lr": 1e-3})
+    assert opt.offload_mask == compute_offload_split(ps, 0.5, is_device=lambda p: True)
+    _train(model, opt, 2)
+    _train(ref, plain, 2)
+    assert _same(model, ref)
+
+
+# ---------------------------------------------------------------------- early copies
+
+
+def _early(model: torch.nn.Module, **kw: Any) -> HybridDeviceOptimizer:
+    return _CpuAsDevice(model.parameters(), offload_fraction=1.0, **ADAMW, **kw)
+
+
+def test_early_copies_are_reused_when_grads_unchanged() -> None:
+    model, ref = _model(), _model()
+    opt = _early(model)
+    _train(model, opt, 2)
+    assert opt.last_step_timings["early_copies"] == 4
+    assert opt.last_step_timings["early_copies_reused"] == 4
+    _train(ref, torch.optim.AdamW(ref.parameters(), **ADAMW), 2)
+    assert _same(model, ref)
+
+
+def test_early_copies_off() -> None:
+    model = _model()
+    opt = _early(model, early_grad_copy=False)
+    _train(model, opt, 1)
+    assert opt.last_step_timings["early_copies"] == 0
+
+
+def _clip(model: torch.nn.Module) -> None:
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+
+
+def _unscale(model: torch.nn.Module) -> None:
+    # What GradScaler.unscale_ does; it does not bump the version counters.
+    grads = [p.grad for p in model.parameters()]
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, torch.zeros(1), torch.tensor(0.25))
+
+
+def _data_write(model: torch.nn.Module) -> None:
+    for p in model.parameters():
+        p.grad.data.mul_(3.0)  # .data has its own version counter
+
+
+def _replace(model: torch.nn.Module) -> None:
+    for p in model.parameters():
+        p.grad = p.grad * 0.5
+
+
+def _one_element(model: torch.nn.Module) -> None:
+    with torch.no_grad():
+        list(model.parameters())[-1].grad.view(-1)[3] += 1.0
+
+
+@pytest.mark.parametrize(
+    "between",
+    [_clip, _unscale, _data_write, _replace, _one_element],
+    ids=["clip", "unscale", "data", "replace", "one_element"],
+)
+def test_changes_between_backward_and_step_are_honoured(
+    between: Callable[[torch.nn.Module], None],
+) -> None:
+    model, ref = _model(), _model()
+    opt = _early(model)
+    _train(model, opt, 2, between=between)
+    _train(ref, torch.optim.AdamW(ref.parameters(), **ADAMW), 2, between=between)
+    assert _same(model, ref)
+    assert opt.last_step_timings["early_copies"] == 4
+    assert opt.last_step_timings["early_copies_reused"] < 4
+
+
+def test_gradient_accumulation_with_early_copies() -> None:
+    model, ref = _model(torch.bfloat16), _model(torch.bfloat16)
+    opt = _early(model, param_update_in_fp32=True)
+    plain_model_opt = _CpuAsDevice(
+        ref.parameters(),
+        offload_fraction=1.0,
+        param_update_in_fp32=True,
+        early_grad_copy=False,
+        **ADAMW,
+    )
+    for m, o in ((model, opt), (ref, plain_model_opt)):
+        gen = torch.Generator().manual_seed(3)
+        for _ in range(2):
+            for _ in range(3):  # three micro-batches per step
+                m(torch.randn(4, 8, generator=gen).bfloat16()).float().square().mean().backward()
+            o.step()
+            o.zero_grad()
+    assert _same(model, ref)
+    assert opt.last_step_timings["early_copies_reused"] == 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_fingerprint(dtype: torch.dtype) -> None:
+    x = torch.randn(1024, generator=torch.Generator().manual_seed(0)).to(dtype)
+    assert torch.equal(_fingerprint(x), _fingerprint(x.clone()))
+    # Power-of-2 scaling moves every element's integer by the same step, which a
+    # wrapping sum over 256 elements cannot see; max and min do.
+    for edit in (x * 0.25, x * 0.5, x * 3.0, -x, torch.zeros_like(x)):
+        assert not torch.equal(_fingerprint(x), _fingerprint(edit))
+    y = x.clone()
+    y[500] = y[500].item() * 1.5
+    assert not torch.equal(_fingerprint(x), _fingerprint(y))
+    # Element-wise, so views at any offset match their copies (host vs device buffers).
+    for view in (x[1:], x[3:10], x[:0], x[7:8], x.view(32, 32)[:, 1]):
+        assert torch.equal(_fingerprint(view), _fingerprint(view.clone()))
+
+
+# ---------------------------------------------------------------------- state dicts
+
+
+def test_state_dict_is_keyed_like_a_plain_optimizers() -> None:
+    model, ref = _model(), _model()
+    opt = _CpuAsDevice(_groups(model, True), offload_fraction=0.5, **ADAMW)
+    plain = torch.optim.AdamW(_groups(ref, True), **ADAMW)
+    _train(model, opt, 1)
+    _train(ref, plain, 1)
+    sd, sd_ref = opt.state_dict(), plain.state_dict()
+    assert sd["state"].keys() == sd_ref["state"].keys()
+    assert [g["params"] for g in sd["param_groups"]] == [
+        g["params"] for g in sd_ref["param_groups"]
+    ]
+    for g, g_ref in zip(sd["param_groups"], sd_ref["param_groups"], strict=True):
+        assert set(g) == set(g_ref)
+        assert g["decoupled_weight_decay"] is True
+        assert {k: v for k, v in g.items() if k not in ("fused", "foreach")} == {
+            k: v for k, v in g_ref.items() if k not in ("fused", "foreach")
+        }
+    for k, s in sd["state"].items():
+        for key, value in s.items():
+            assert torch.equal(value, sd_ref["state"][k][key])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
+def test_checkpoint_resume_is_exact(dtype: torch.dtype, fraction: float) -> None:
+    kw = {"offload_fraction": fraction, "param_update_in_fp32": True, **ADAMW}
+    model = _model(dtype)
+    opt = _CpuAsDevice(model.parameters(), **kw)
+    _train(model, opt, 3, seed=1)
+    checkpoint = _roundtrip({"model": model.state_dict(), "opt": opt.state_dict()})
+    _train(model, opt, 3, seed=2)
+
+    resumed = _model(dtype, seed=9)
+    resumed.load_state_dict(checkpoint["model"])
+    opt2 = _CpuAsDevice(resumed.parameters(), **kw)
+    opt2.load_state_dict(checkpoint["opt"])
+    _train(resumed, opt2, 3, seed=2)
+    assert _same(model, resumed)
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
+def test_checkpoint_interchange_with_plain_adamw(fraction: float) -> None:
+    # HDO -> plain AdamW
+    model = _model()
+    opt = _CpuAsDevice(model.parameters(), offload_fraction=fraction, **ADAMW)
+    _train(model, opt, 2)
+    checkpoint = _roundtrip({"model": model.state_dict(), "opt": opt.state_dict()})
+    _train(model, opt, 2, seed=2)
+    plain_model = _model(seed=9)
+    plain_model.load_state_dict(checkpoint["model"])
+    plain = torch.optim.AdamW(plain_model.parameters(), **ADAMW)
+    plain.load_state_dict(checkpoint["opt"])
+    _train(plain_model, plain, 2, seed=2)
+    assert _same(model, plain_model)
+
+    # plain AdamW -> HDO
+    checkpoint = _roundtrip({"model": plain_model.state_dict(), "opt": plain.state_dict()})
+    _train(plain_model, plain, 2, seed=3)
+    hdo_model = _model(seed=9)
+    hdo_model.load_state_dict(checkpoint["model"])
+    hdo = _CpuAsDevice(hdo_model.parameters(), offload_fraction=fraction, **ADAMW)
+    hdo.load_state_dict(checkpoint["opt"])
+    _train(hdo_model, hdo, 2, seed=3)
+    assert _same(plain_model, hdo_model)
+
+
+@pytest.mark.parametrize(("before", "after"), [(0.25, 0.75), (1.0, 0.0), (0.0, 1.0)])
+def test_resume_with_another_fraction(before: float, after: float) -> None:
+    kw = {"param_update_in_fp32": True, **ADAMW}
+    model = _model(torch.bfloat16)
+    opt = _CpuAsDevice(model.parameters(), offload_fraction=before, **kw)
+    _train(model, opt, 2)
+    checkpoint = _roundtrip({"model": model.state_dict(), "opt": opt.state_dict()})
+    _train(model, opt, 2, seed=2)
+    resumed = _model(torch.bfloat16, seed=9)
+    resumed.load_state_dict(checkpoint["model"])
+    opt2 = _CpuAsDevice(resumed.parameters(), offload_fraction=after, **kw)
+    opt2.load_state_dict(checkpoint["opt"])
+    assert opt2.offload_mask != opt.offload_mask
+    _train(resumed, opt2, 2, seed=2)
+    assert _same(model, resumed)
+
+
+def test_load_copies_and_does_not_alias() -> None:
+    model = _model()
+    opt = _CpuAsDevice(model.parameters(), offload_fraction=0.5, **ADAMW)
+    _train(model, opt, 1)
+    other = _CpuAsDevice(_model().parameters(), offload_fraction=0.5, **ADAMW)
+    other.load_state_dict(opt.state_dict())
+    for a, b in zip(opt.state.values(), other.state.values(), strict=True):
+        assert a["exp_avg"].data_ptr() != b["exp_avg"].data_ptr()
+
+
+def test_load_state_dict_mismatch() -> None:
+    model = _model()
+    opt = _CpuAsDevice(_groups(model, True), **ADAMW)
+    one_group = torch.optim.AdamW(_model().parameters(), **ADAMW).state_dict()
+    with pytest.raises(ValueError, match="different number of parameter groups"):
+        opt.load_state_dict(one_group)
+    sizes = torch.optim.AdamW(
+        [{"params": list(_model().parameters())[:1]}, {"params": list(_model().parameters())[1:]}]
+    ).state_dict()
+    with pytest.raises(ValueError, match="doesn't match the size"):
+        opt.load_state_dict(sizes)
+    with pytest.raises(ValueError, match="state_dict"):
+        opt.load_state_dict({"state": {}})
+
+
+def test_checkpoint_sgd_momentum_roundtrip() -> None:
+    model = _model()
+    kw = {"cpu_optimizer_cls": torch.optim.SGD, "gpu_optimizer_cls": torch.optim.SGD, **SGD}
+    opt = _CpuAsDevice(model.parameters(), offload_fraction=0.5, **kw)
+    _train(model, opt, 2)
+    checkpoint = _roundtrip({"model": model.state_dict(), "opt": opt.state_dict()})
+    _train(model, opt, 2, seed=2)
+    resumed = _model(seed=9)
+    resumed.load_state_dict(checkpoint["model"])
+    plain = torch.optim.SGD(resumed.parameters(), **SGD)
+    plain.load_state_dict(checkpoint["opt"])
+    _train(resumed, plain, 2, seed=2)
+    assert _same(model, resumed)
+
+
+# ---------------------------------------------------------------------- measurement
+
+
+def test_measure_optimizer_on_cpu() -> None:
+    model = _model()
+    result = measure_optimizer(
+        model,
+        lambda m: m(torch.randn(4, 8)).square().mean(),
+        offload_fraction=0.0,
+        steps=1,
+        warmup=0,
+        **ADAMW,
+    )
+    assert result.steps == 1 and result.step_ms > 0 and result.device == "cpu"
+    assert result.to_dict()["offload_fraction"] == 0.0
+    with pytest.raises(ValueError, match="steps"):
+        measure_optimizer(model, lambda m: m(torch.randn(4, 8)).sum(), steps=0)
+
+
+def test_host_throughput_and_state_bytes() -> None:
+    assert measure_host_optimizer_throughput(1 << 12, implementation="forloop", steps=1) > 0
+    with pytest.raises(ValueError, match="implementation"):
+        measure_host_optimizer_throughput(10, implementation="magic")  # type: ignore[arg-type]
+    model = _model()
+    opt = _CpuAsDevice(model.parameters(), offload_fraction=0.5, **ADAMW)
+    _train(model, opt, 1)
+    assert optimizer_device_state_bytes(opt) == 0
