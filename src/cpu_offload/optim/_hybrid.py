@@ -710,13 +710,19 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         current = (
             torch.cuda.current_stream(self._cuda_device) if self._cuda_device is not None else None
         )
-        d2h = self._d2h_stream or current
-        h2d = self._h2d_stream or current
+        # Side streams in the overlapped mode, the current stream otherwise.
+        d2h = self._d2h_stream if self._d2h_stream is not None else current
+        h2d = self._h2d_stream if self._h2d_stream is not None else current
+        # Everything queued before step() (backward, clipping, ...): the gradient copies
+        # must come after it, and the copies back must not overwrite parameters it may
+        # still read. Recorded before the device step so that the copies back do not
+        # also wait for the device optimizer.
+        before_step = current.record_event() if current is not None else None
 
         # 1. Gradients to the host, for every offloaded entry without a valid early copy,
         #    in host-stepping order.
-        if d2h is not None and d2h is not current:
-            d2h.wait_stream(current)  # type: ignore[arg-type]
+        if self._d2h_stream is not None and before_step is not None:
+            self._d2h_stream.wait_event(before_step)
         for sub in self._host_subs:
             for entry in sub.entries:
                 self._start_grad_copy(entry, d2h)
@@ -726,9 +732,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             self._step_device()
 
         # 3. Host buckets: wait for their gradients, step, copy back (pipelined).
-        if h2d is not None and h2d is not current:
-            # Work queued before step() may still read the parameters being overwritten.
-            h2d.wait_stream(current)  # type: ignore[arg-type]
+        if self._h2d_stream is not None and before_step is not None:
+            self._h2d_stream.wait_event(before_step)
         host_step = wait = convert = 0.0
         for sub in self._host_subs:
             t0 = time.perf_counter()
@@ -743,8 +748,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             wait += t1 - t0
             host_step += t2 - t1
             convert += t3 - t2
-        if h2d is not None and h2d is not current:
-            current.wait_stream(h2d)  # type: ignore[union-attr]
+        if self._h2d_stream is not None and current is not None:
+            # Whatever the caller queues next on the current stream sees the new values.
+            current.wait_stream(self._h2d_stream)
         self.last_step_timings = {
             "step_s": time.perf_counter() - t_start,
             "host_step_s": host_step,
