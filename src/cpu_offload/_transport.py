@@ -25,8 +25,9 @@ __all__ = [
     "CudaTransport",
     "HostBufferPool",
     "HostTransport",
-    "Transport",
     "TensorLayout",
+    "TimedSpan",
+    "Transport",
 ]
 
 
@@ -122,6 +123,16 @@ class HostBufferPool:
         return buffer[: layout.nbytes].view(layout.dtype).as_strided(layout.size, layout.stride)
 
 
+@dataclass(frozen=True)
+class TimedSpan:
+    """A span of GPU time between two CUDA events (a copy, or a compute-stream stall)."""
+
+    kind: str  # "offload", "reload" or "stall"
+    nbytes: int
+    start: torch.cuda.Event
+    end: torch.cuda.Event
+
+
 class Transport(ABC):
     """Moves tensors between the device and host buffers, in order.
 
@@ -136,6 +147,9 @@ class Transport(ABC):
         #: Bytes copied to the host and back since creation (for tests and reports).
         self.bytes_offloaded = 0
         self.bytes_reloaded = 0
+        #: When a list, each copy and each compute-stream wait is recorded in it with
+        #: timing events (for the comparison tool's bandwidth, stall and timeline).
+        self.timeline: list[TimedSpan] | None = None
 
     @abstractmethod
     def accepts(self, tensor: torch.Tensor) -> bool:
@@ -207,9 +221,32 @@ class CudaTransport(Transport):
         return event
 
     def wait(self, event: object | None) -> None:
-        if event is not None:
-            assert isinstance(event, torch.cuda.Event)
-            torch.cuda.current_stream().wait_event(event)
+        if event is None:
+            return
+        assert isinstance(event, torch.cuda.Event)
+        stream = torch.cuda.current_stream()
+        if self.timeline is None:
+            stream.wait_event(event)
+            return
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        stream.wait_event(event)
+        end.record(stream)
+        self.timeline.append(TimedSpan("stall", 0, start, end))
+
+    def _copy(self, kind: str, stream: torch.cuda.Stream, src: torch.Tensor, dst: torch.Tensor):
+        nbytes = dst.numel() * dst.element_size()
+        with torch.cuda.stream(stream):
+            if self.timeline is not None:
+                start = torch.cuda.Event(enable_timing=True)
+                start.record(stream)
+            dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event(enable_timing=self.timeline is not None)
+            done.record(stream)
+        if self.timeline is not None:
+            self.timeline.append(TimedSpan(kind, nbytes, start, done))
+        return done, nbytes
 
     def offload(
         self, src: torch.Tensor, ready: object | None, dst: torch.Tensor
@@ -217,11 +254,8 @@ class CudaTransport(Transport):
         if ready is not None:
             assert isinstance(ready, torch.cuda.Event)
             self.stream.wait_event(ready)
-        with torch.cuda.stream(self.stream):
-            dst.copy_(src, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        self.bytes_offloaded += dst.numel() * dst.element_size()
+        done, nbytes = self._copy("offload", self.stream, src, dst)
+        self.bytes_offloaded += nbytes
         return done
 
     def allocate(self, layout: TensorLayout, device: torch.device) -> torch.Tensor:
@@ -231,11 +265,8 @@ class CudaTransport(Transport):
         # dst was allocated on the compute stream: its memory may have been used by
         # compute work queued before the allocation, so the copy waits for that point.
         self.reload_stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.reload_stream):
-            dst.copy_(src, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.reload_stream)
-        self.bytes_reloaded += dst.numel() * dst.element_size()
+        done, nbytes = self._copy("reload", self.reload_stream, src, dst)
+        self.bytes_reloaded += nbytes
         return done
 
 

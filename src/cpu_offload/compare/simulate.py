@@ -1,0 +1,227 @@
+"""A timeline model of offloading schedules: copies on streams against per-layer compute.
+
+Given each layer's forward and backward time, the bytes it saves and the link's
+bandwidth, :func:`simulate` replays what each variant does on the compute and copy
+streams and returns the step time, the activation peak and the spans of a timeline.
+It serves twice: as the *transfer-bound floor* of the benchmarks (the step time the
+default schedule would reach with measured compute and bandwidth), and as the simulated
+GPU of ``cpu-offload compare`` on a machine without one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..v1.handlers import layer_windows
+
+__all__ = ["LayerProfile", "SimResult", "Span", "simulate", "SIMULATED_VARIANTS"]
+
+#: Variants the model knows.
+SIMULATED_VARIANTS = ("none", "v1-sync", "v1-async", "v2", "checkpoint", "save_on_cpu")
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """What one layer costs: milliseconds of compute and bytes saved for backward."""
+
+    forward_ms: float
+    backward_ms: float
+    saved_bytes: int  # everything the layer keeps for backward
+    offload_bytes: int  # the part offloading moves (above the size threshold)
+    input_bytes: int  # the layer's input (what activation checkpointing keeps)
+
+
+@dataclass(frozen=True)
+class Span:
+    """A bar of the timeline: ``lane`` is compute, offload, reload or stall."""
+
+    lane: str
+    label: str
+    start_ms: float
+    end_ms: float
+
+
+@dataclass
+class SimResult:
+    """Step time, activation peak and the timeline of one simulated step."""
+
+    step_ms: float
+    peak_bytes: int
+    spans: list[Span] = field(default_factory=list)
+    memory: list[tuple[float, int]] = field(default_factory=list)  # (ms, bytes)
+
+    @property
+    def stall_ms(self) -> float:
+        return sum(s.end_ms - s.start_ms for s in self.spans if s.lane == "stall")
+
+
+class _Sim:
+    def __init__(self, d2h_gbps: float, h2d_gbps: float) -> None:
+        self.t = 0.0
+        self.mem = 0
+        self.peak = 0
+        self.d2h_ms_per_byte = 1e-6 / d2h_gbps  # GB/s -> ms per byte
+        self.h2d_ms_per_byte = 1e-6 / h2d_gbps
+        self.spans: list[Span] = []
+        self.memory: list[tuple[float, int]] = [(0.0, 0)]
+
+    def alloc(self, nbytes: int) -> None:
+        self.mem += nbytes
+        self.peak = max(self.peak, self.mem)
+        self.memory.append((self.t, self.mem))
+
+    def free(self, nbytes: int) -> None:
+        self.mem -= nbytes
+        self.memory.append((self.t, self.mem))
+
+    def compute(self, label: str, ms: float) -> tuple[float, float]:
+        start = self.t
+        self.t += ms
+        self.spans.append(Span("compute", label, start, self.t))
+        return start, self.t
+
+    def wait_until(self, when: float, label: str) -> None:
+        if when > self.t:
+            self.spans.append(Span("stall", label, self.t, when))
+            self.t = when
+
+    def copy(self, lane: str, label: str, free_at: float, earliest: float, nbytes: int,
+             not_before_end: float = 0.0) -> float:
+        per_byte = self.d2h_ms_per_byte if lane == "offload" else self.h2d_ms_per_byte
+        start = max(free_at, earliest)
+        end = max(start + nbytes * per_byte, not_before_end)
+        self.spans.append(Span(lane, label, start, end))
+        return end
+
+
+def simulate(
+    profiles: list[LayerProfile],
+    variant: str,
+    num_offloaded: int,
+    d2h_gbps: float,
+    h2d_gbps: float | None = None,
+    *,
+    duplex: bool = False,
+) -> SimResult:
+    """Replay one training step of ``variant`` with ``num_offloaded`` of the layers.
+
+    Args:
+        profiles: One entry per layer, in forward order.
+        variant: One of :data:`SIMULATED_VARIANTS`.
+        num_offloaded: k, the layers offloaded (or checkpointed), from the first.
+        d2h_gbps: Device-to-host bandwidth, GB/s.
+        h2d_gbps: Host-to-device bandwidth, GB/s (``d2h_gbps`` if None).
+        duplex: V2 copies both directions on separate streams (otherwise one stream, as
+            the default schedule uses).
+
+    Returns:
+        The simulated step.
+
+    Raises:
+        ValueError: On an unknown variant or a ``num_offloaded`` out of range.
+    """
+    n, k = len(profiles), num_offloaded
+    if variant not in SIMULATED_VARIANTS:
+        raise ValueError(f"variant must be one of {', '.join(SIMULATED_VARIANTS)}; got {variant!r}")
+    if not 0 <= k <= n:
+        raise ValueError(f"num_offloaded must be in [0, {n}], got {k}")
+    sim = _Sim(d2h_gbps, h2d_gbps if h2d_gbps is not None else d2h_gbps)
+    p = profiles
+    if variant in ("none", "v1-sync", "save_on_cpu", "checkpoint"):
+        _serial(sim, p, variant, k)
+    elif variant == "v2":
+        _default_schedule(sim, p, k, duplex)
+    else:
+        _v1_async(sim, p, k)
+    return SimResult(sim.t, sim.peak, sim.spans, sim.memory)
+
+
+def _serial(sim: _Sim, p: list[LayerProfile], variant: str, k: int) -> None:
+    # Variants whose copies (or recomputation) run on the compute stream itself.
+    n = len(p)
+    for j in range(n):
+        moved = j < k and variant != "none"
+        if moved and variant == "checkpoint":
+            sim.alloc(p[j].input_bytes)
+            sim.compute(f"F{j}", p[j].forward_ms)
+            continue
+        sim.alloc(p[j].saved_bytes)
+        sim.compute(f"F{j}", p[j].forward_ms)
+        if moved:
+            start = sim.t
+            sim.t = sim.copy("offload", f"L{j}", start, start, p[j].offload_bytes)
+            sim.free(p[j].offload_bytes)
+    for j in reversed(range(n)):
+        moved = j < k and variant != "none"
+        if moved and variant == "checkpoint":
+            sim.alloc(p[j].saved_bytes)
+            sim.compute(f"R{j}", p[j].forward_ms)
+            sim.compute(f"B{j}", p[j].backward_ms)
+            sim.free(p[j].saved_bytes + p[j].input_bytes)
+            continue
+        if moved:
+            sim.alloc(p[j].offload_bytes)
+            start = sim.t
+            sim.t = sim.copy("reload", f"L{j}", start, start, p[j].offload_bytes)
+        sim.compute(f"B{j}", p[j].backward_ms)
+        sim.free(p[j].saved_bytes)
+
+
+def _default_schedule(sim: _Sim, p: list[LayerProfile], k: int, duplex: bool) -> None:
+    n = len(p)
+    d2h_free = h2d_free = 0.0
+    offload_end: dict[int, float] = {}
+    reload_end: dict[int, float] = {}
+    for j in range(n):
+        i = j - (n - k)  # layer i's offload must finish before forward j = n-k+i
+        if 0 <= i < k:
+            sim.wait_until(offload_end[i], f"wait offload L{i}")
+            sim.free(p[i].offload_bytes)
+        sim.alloc(p[j].saved_bytes)
+        start, end = sim.compute(f"F{j}", p[j].forward_ms)
+        if j < k:
+            offload_end[j] = sim.copy("offload", f"L{j}", d2h_free, start, p[j].offload_bytes, end)
+            d2h_free = offload_end[j]
+            if not duplex:
+                h2d_free = d2h_free
+    for j in reversed(range(n)):
+        i = j - (n - k) + 1  # layer i reloads when backward of n-k+i-1 starts
+        if 0 <= i < k:
+            sim.alloc(p[i].offload_bytes)
+            reload_end[i] = sim.copy("reload", f"L{i}", h2d_free, sim.t, p[i].offload_bytes)
+            h2d_free = reload_end[i]
+            if not duplex:
+                d2h_free = h2d_free
+        if j < k:
+            sim.wait_until(reload_end[j], f"wait reload L{j}")
+        sim.compute(f"B{j}", p[j].backward_ms)
+        sim.free(p[j].saved_bytes)
+
+
+def _v1_async(sim: _Sim, p: list[LayerProfile], k: int) -> None:
+    n = len(p)
+    windows = layer_windows(k, n)
+    release_at: dict[int, list[int]] = {}
+    for group, window in enumerate(windows):
+        release_at.setdefault(window, []).append(group)
+    d2h_free = h2d_free = 0.0
+    offload_end: dict[int, float] = {}
+    reload_end: dict[int, float] = {}
+    for j in range(n):
+        sim.alloc(p[j].saved_bytes)
+        start, end = sim.compute(f"F{j}", p[j].forward_ms)
+        if j < k:
+            offload_end[j] = sim.copy("offload", f"L{j}", d2h_free, start, p[j].offload_bytes, end)
+            d2h_free = offload_end[j]
+        for group in release_at.get(j, ()):
+            sim.wait_until(offload_end[group], f"wait offload L{group}")
+            sim.free(p[group].offload_bytes)
+    for j in reversed(range(n)):
+        for group in sorted(release_at.get(j, ()), reverse=True):
+            sim.alloc(p[group].offload_bytes)
+            reload_end[group] = sim.copy("reload", f"L{group}", h2d_free, sim.t, p[group].offload_bytes)
+            h2d_free = reload_end[group]
+        if j < k:
+            sim.wait_until(reload_end[j], f"wait reload L{j}")
+        sim.compute(f"B{j}", p[j].backward_ms)
+        sim.free(p[j].saved_bytes)

@@ -1,0 +1,211 @@
+"""The variants ``cpu-offload compare`` runs: how each one wraps a layer.
+
+Every variant runs the same layers on the same batch; only :meth:`Variant.run_layer`
+differs. Offloading and its alternatives apply to the first ``k`` layers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .. import v1, v2
+from .._selection import is_marked_for_offload, mark_activation_offload
+from .._transport import Transport
+
+__all__ = ["VARIANTS", "Variant", "make_variant"]
+
+
+class _MarkOutputs(torch.overrides.TorchFunctionMode):
+    """Marks every tensor computed inside as an activation (V1 needs marked tensors).
+
+    Transformer Engine's modules mark their activations themselves; plain PyTorch
+    layers do not, so the comparison marks whatever the layer computes.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor):
+            mark_activation_offload(out)
+        elif isinstance(out, (tuple, list)):
+            mark_activation_offload(*[o for o in out if isinstance(o, torch.Tensor)])
+        return out
+
+
+class _MarkedAndLarge:
+    """V1's checker in the comparison: marked, and at least ``min_numel`` elements."""
+
+    def __init__(self, min_numel: int) -> None:
+        self.min_numel = min_numel
+
+    def __call__(self, tensor: torch.Tensor) -> bool:
+        return tensor.numel() >= self.min_numel and is_marked_for_offload(tensor)
+
+
+class Variant(ABC):
+    """One way of running the layers.
+
+    Args:
+        num_layers: n, the layers in the model.
+        num_offloaded: k, the layers offloaded (or checkpointed), from the first.
+        min_numel: Smallest tensor offloading moves.
+        transport_factory: Makes the transport for offloading variants (None: default).
+    """
+
+    name: str = ""
+    offloads: bool = False
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_offloaded: int,
+        min_numel: int,
+        transport_factory: Callable[[], Transport] | None = None,
+    ) -> None:
+        self.n = num_layers
+        self.k = num_offloaded
+        self.min_numel = min_numel
+        self.transport_factory = transport_factory
+        self.transports: list[Transport] = []
+
+    def _transport(self) -> Transport | None:
+        if self.transport_factory is None:
+            return None
+        t = self.transport_factory()
+        self.transports.append(t)
+        return t
+
+    @abstractmethod
+    def run_layer(self, index: int, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """Run layer ``index`` on ``x``."""
+
+
+class _NoOffload(Variant):
+    name = "none"
+
+    def run_layer(self, index: int, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return layer(x)
+
+
+class _V2(Variant):
+    name = "v2"
+    offloads = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        transport = self._transport()
+        self.ctx, self.sync = v2.get_cpu_offload_context(
+            True,
+            self.k,
+            self.n,
+            min_tensor_size_to_offload=self.min_numel,
+            transport=transport,
+        )
+        if transport is None:
+            self.transports.append(self.ctx.offload_synchronizer.transport)
+
+    def run_layer(self, index: int, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        with self.ctx:
+            x = layer(x)
+        return self.sync(x)
+
+
+class _V1Async(Variant):
+    name = "v1-async"
+    offloads = True
+    double_buffering = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        handler = v1.AsyncDoubleBufferGroupOffloadHandler(
+            self.k,
+            self.n,
+            tensor_need_offloading_checker=_MarkedAndLarge(self.min_numel),
+            double_buffering=self.double_buffering,
+            transport=self._transport(),
+        )
+        if not self.transports:
+            self.transports.append(handler.transport)
+        self.ctx = v1.CpuOffloadHookWithOffloadHandler(handler)
+        self.commit = functools.partial(v1.group_prefetch_offload_commit, offload_handler=handler)
+
+    def run_layer(self, index: int, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        with self.ctx, _MarkOutputs():
+            x = layer(x)
+        return self.commit(x)
+
+
+class _V1DoubleBuffer(_V1Async):
+    name = "v1-async-db"
+    double_buffering = True
+
+
+class _V1Sync(Variant):
+    name = "v1-sync"
+    offloads = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        handler = v1.SynchronizedGroupOffloadHandler(
+            self.k, tensor_need_offloading_checker=_MarkedAndLarge(self.min_numel)
+        )
+        self.ctx = v1.CpuOffloadHookWithOffloadHandler(handler)
+        self.commit = functools.partial(v1.group_prefetch_offload_commit, offload_handler=handler)
+
+    def run_layer(self, index: int, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        with self.ctx, _MarkOutputs():
+            x = layer(x)
+        return self.commit(x)
+
+
+class _Checkpoint(Variant):
+    name = "checkpoint"
+
+    def run_layer(self, index: int, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if index < self.k:
+            return checkpoint(layer, x, use_reentrant=False)
+        return layer(x)
+
+
+class _SaveOnCpu(Variant):
+    name = "save_on_cpu"
+
+    def run_layer(self, index: int, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if index >= self.k or not x.is_cuda:
+            # Without CUDA there is no device memory to save: run the layer as is.
+            ctx: Any = contextlib.nullcontext()
+        else:
+            ctx = torch.autograd.graph.save_on_cpu(pin_memory=True)
+        with ctx:
+            return layer(x)
+
+
+#: Variant name -> class, in the order the report lists them.
+VARIANTS: dict[str, type[Variant]] = {
+    cls.name: cls
+    for cls in (_NoOffload, _V1Sync, _V1Async, _V1DoubleBuffer, _V2, _Checkpoint, _SaveOnCpu)
+}
+
+
+def make_variant(
+    name: str,
+    num_layers: int,
+    num_offloaded: int,
+    min_numel: int,
+    transport_factory: Callable[[], Transport] | None = None,
+) -> Variant:
+    """Build the variant called ``name``.
+
+    Raises:
+        ValueError: If ``name`` is not one of :data:`VARIANTS`.
+    """
+    if name not in VARIANTS:
+        raise ValueError(f"variant must be one of {', '.join(VARIANTS)}; got {name!r}")
+    return VARIANTS[name](num_layers, num_offloaded, min_numel, transport_factory)

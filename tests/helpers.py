@@ -1,0 +1,58 @@
+"""Helpers shared by the tests: one training step with and without offloading."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from cpu_offload.models import run_layers
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor
+    grads: list[torch.Tensor]
+    peak_bytes: int = 0  # peak CUDA memory above the level before the step
+
+
+def step(
+    layers: nn.ModuleList,
+    make_input: Callable[[], torch.Tensor],
+    context: object | None = None,
+    sync: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    between: Callable[[], None] | None = None,
+) -> StepResult:
+    """Forward, loss, backward; returns the loss, every gradient and the memory peak.
+
+    The input is made inside, and not kept, so that the first layer's saved input can
+    really be freed once offloaded (as in a training loop).
+    """
+    for p in layers.parameters():
+        p.grad = None
+    cuda = next(layers.parameters()).is_cuda
+    if cuda:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    out = run_layers(layers, make_input(), context, sync)
+    if between is not None:
+        between()
+    loss = out.float().square().mean()
+    del out
+    loss.backward()
+    peak = 0
+    if cuda:
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+    return StepResult(loss.detach().clone(), [p.grad.clone() for p in layers.parameters()], peak)
+
+
+def assert_bit_equal(a: StepResult, b: StepResult) -> None:
+    """Loss and every gradient identical, bit for bit."""
+    assert torch.equal(a.loss, b.loss), f"loss differs: {a.loss.item()} vs {b.loss.item()}"
+    assert len(a.grads) == len(b.grads)
+    for i, (ga, gb) in enumerate(zip(a.grads, b.grads, strict=True)):
+        assert torch.equal(ga, gb), f"gradient {i} differs: max |diff| {(ga - gb).abs().max()}"
