@@ -673,9 +673,16 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             entry.grad_buf = buf
         return buf
 
-    def _validate_early_copies(self, entries: list[_Entry]) -> int:
-        """Keep the early copies whose gradient is unchanged; return how many were kept."""
-        candidates: list[tuple[_Entry, torch.Tensor]] = []
+    def _fingerprint_early_copies(
+        self, entries: list[_Entry]
+    ) -> tuple[list[_Entry], torch.Tensor | None, torch.cuda.Event | None]:
+        """Queue the fingerprints of the gradients that have a still-plausible early copy.
+
+        Returns the candidates, their fingerprints now (a host tensor, complete once the
+        returned event is) and that event (None off CUDA). Drops the other early copies.
+        """
+        candidates: list[_Entry] = []
+        grads: list[torch.Tensor] = []
         for entry in entries:
             record, entry.early = entry.early, None
             grad = entry.param.grad
@@ -683,17 +690,35 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 continue
             if record.grad() is not grad or grad._version != record.version:
                 continue
-            candidates.append((entry, grad))
             entry.early = record
+            candidates.append(entry)
+            grads.append(grad)
         if not candidates:
+            return [], None, None
+        now = torch.stack([_fingerprint(g) for g in grads])
+        if not now.is_cuda:
+            return candidates, now, None
+        # A non-blocking copy and an event, so that the device step can be queued before
+        # the host waits for these (and thereby for the end of backward).
+        now_host = now.to("cpu", non_blocking=True)
+        return candidates, now_host, torch.cuda.current_stream(now.device).record_event()
+
+    def _keep_unchanged_early_copies(
+        self,
+        candidates: list[_Entry],
+        now: torch.Tensor | None,
+        event: torch.cuda.Event | None,
+    ) -> int:
+        """Keep the early copies whose gradient's fingerprint is unchanged; count them."""
+        if not candidates or now is None:
             return 0
-        # Fingerprints of the gradients as they are now, on the device (one small copy
-        # back for all of them), against those of the copies, taken on the host.
-        now = torch.stack([_fingerprint(g) for _, g in candidates]).cpu()
-        then = torch.stack([e.early.done.result() for e, _ in candidates])  # type: ignore[union-attr]
+        if event is not None:
+            event.synchronize()
+        # The copies' fingerprints were taken on the host by the worker.
+        then = torch.stack([e.early.done.result() for e in candidates])  # type: ignore[union-attr]
         same = (now == then).all(dim=1).tolist()
         kept = 0
-        for (entry, _), ok in zip(candidates, same, strict=True):
+        for entry, ok in zip(candidates, same, strict=True):
             if ok:
                 kept += 1
             else:
@@ -706,7 +731,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         t_start = time.perf_counter()
         offloaded = [e for e in self._entries if e.offloaded]
         early_candidates = sum(1 for e in offloaded if e.early is not None)
-        kept = self._validate_early_copies(offloaded)
         current = (
             torch.cuda.current_stream(self._cuda_device) if self._cuda_device is not None else None
         )
@@ -719,7 +743,15 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         # also wait for the device optimizer.
         before_step = current.record_event() if current is not None else None
 
-        # 1. Gradients to the host, for every offloaded entry without a valid early copy,
+        # 1. Which early copies still hold the gradient (fingerprints queued first) ...
+        candidates, now, fingerprints_done = self._fingerprint_early_copies(offloaded)
+
+        # 2. ... while the device part is queued, to run on the device as the host works.
+        if self._device_sub is not None:
+            self._step_device()
+        kept = self._keep_unchanged_early_copies(candidates, now, fingerprints_done)
+
+        # 3. Gradients to the host, for every offloaded entry without a valid early copy,
         #    in host-stepping order.
         if self._d2h_stream is not None and before_step is not None:
             self._d2h_stream.wait_event(before_step)
@@ -727,11 +759,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             for entry in sub.entries:
                 self._start_grad_copy(entry, d2h)
 
-        # 2. The device part runs on the device while the host works.
-        if self._device_sub is not None:
-            self._step_device()
-
-        # 3. Host buckets: wait for their gradients, step, copy back (pipelined).
+        # 4. Host buckets: wait for their gradients, step, copy back (pipelined).
         if self._h2d_stream is not None and before_step is not None:
             self._h2d_stream.wait_event(before_step)
         host_step = wait = convert = 0.0
