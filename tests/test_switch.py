@@ -245,13 +245,6 @@ def test_invalid_value_fails_at_the_call_not_at_import():
 # -- warnings through the top-level function -------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: cpu_offload.get_cpu_offload_context adds a stack frame but the backends "
-    "warn with a fixed stacklevel, so their warnings point into cpu_offload/__init__.py "
-    "instead of the caller; the DeprecationWarning for offload_weights=True is then "
-    "hidden by Python's default filters in a user script",
-)
 @pytest.mark.parametrize(
     ("value", "args", "category"),
     [

@@ -366,12 +366,6 @@ def test_group_commit_is_identity_with_grad():
     assert torch.equal(x.grad, torch.ones(4))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: V1 keys offloaded tensors by (group, index) only; when a second forward "
-    "runs before the first one's backward, the first backward silently gets the second "
-    "forward's tensors (wrong gradients, no error; V2 raises RuntimeError here)",
-)
 def test_backward_of_a_stale_forward_is_exact_or_an_error():
     layers = _layers()
 

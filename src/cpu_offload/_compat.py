@@ -18,6 +18,7 @@ __all__ = [
     "MIN_TORCH",
     "PINNED_ALLOC_IN_CAPTURE",
     "TORCH_VERSION",
+    "TORCH_VERSION_STRING",
     "capture_buffer_policy",
     "fused_optimizer_supported",
     "is_current_stream_capturing",
@@ -58,6 +59,9 @@ def parse_torch_version(version: str) -> Version:
 
 #: The running PyTorch release (without local suffix).
 TORCH_VERSION = parse_torch_version(torch.__version__)
+
+#: The running PyTorch's full version string (``2.11.0+cu130``), for reports.
+TORCH_VERSION_STRING = str(torch.__version__)
 
 
 def _release(version: Version) -> tuple[int, ...]:

@@ -19,7 +19,7 @@ from ._compat import is_fake_or_functional
 
 __all__ = [
     "ActivationPolicy",
-        "is_marked_for_offload",
+    "is_marked_for_offload",
     "is_marked_not_offload",
     "mark_activation_offload",
     "mark_not_offload",
@@ -114,11 +114,7 @@ def _is_weight(tensor: torch.Tensor) -> bool:
 
 
 def _never_offloaded(tensor: torch.Tensor) -> bool:
-    return (
-        _is_weight(tensor)
-        or is_marked_not_offload(tensor)
-        or is_fake_or_functional(tensor)
-    )
+    return _is_weight(tensor) or is_marked_not_offload(tensor) or is_fake_or_functional(tensor)
 
 
 @dataclass(frozen=True)
@@ -152,4 +148,8 @@ def is_marked_for_offload(tensor: torch.Tensor) -> bool:
     Parameters, marked weights and tensors excluded with :func:`mark_not_offload` are
     never offloaded, marked or not.
     """
-    return bool(getattr(tensor, _ACTIVATION_ATTR, False)) and not _never_offloaded(tensor)
+    # A view of a marked activation (Linear saves its 3-D input reshaped to 2-D) is one too.
+    marked = getattr(tensor, _ACTIVATION_ATTR, False) or (
+        tensor._base is not None and getattr(tensor._base, _ACTIVATION_ATTR, False)
+    )
+    return bool(marked) and not _never_offloaded(tensor)

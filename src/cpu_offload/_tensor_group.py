@@ -19,13 +19,13 @@ never changed behind a kernel's back.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from ._transport import TensorLayout, is_dense
+from ._warn import warn_at_caller
 
 __all__ = ["GroupPlan", "SavedEntry", "TensorGroupProcessor", "Unit"]
 
@@ -188,7 +188,11 @@ class TensorGroupProcessor:
         assert isinstance(template, tuple)
         cls, ctx, size, stride, inner = template
         return _SubclassRef(
-            cls, ctx, size, stride, {n: self._resolve(t, leaf_refs, alias) for n, t in inner.items()}
+            cls,
+            ctx,
+            size,
+            stride,
+            {n: self._resolve(t, leaf_refs, alias) for n, t in inner.items()},
         )
 
     def _plan_root(
@@ -240,13 +244,12 @@ class TensorGroupProcessor:
         if key in self._warned:
             return
         self._warned.add(key)
-        warnings.warn(
+        warn_at_caller(
             f"cpu_offload: a saved tensor of shape {tuple(t.shape)}, stride {t.stride()} and "
             f"dtype {t.dtype} stays on the GPU: it is a strided view whose layout cannot be "
             "restored exactly after a copy, and its base is not worth copying instead. "
             "Use start_offload(tensor, offload_base_tensor=True) to offload its base, or "
-            "mark_not_offload(tensor) to silence this warning.",
-            stacklevel=3,
+            "mark_not_offload(tensor) to silence this warning."
         )
 
     # -- backward: units -> tensors --------------------------------------------------

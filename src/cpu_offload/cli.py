@@ -51,24 +51,42 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--batch", type=_positive("--batch"), help="batch size")
     c.add_argument("--layers", type=_positive("--layers"), help="number of layers (n)")
     c.add_argument("--offloaded", type=int, help="layers to offload or checkpoint (k)")
-    c.add_argument("--dtype", choices=sorted(_DTYPES), help="bf16 on a GPU, fp32 on the CPU by default")
+    c.add_argument(
+        "--dtype", choices=sorted(_DTYPES), help="bf16 on a GPU, fp32 on the CPU by default"
+    )
     c.add_argument("--steps", type=_positive("--steps"), help="measured steps per variant")
-    c.add_argument("--warmup", type=int, help="warm-up steps per variant (2 on a GPU, 1 on the CPU)")
+    c.add_argument(
+        "--warmup", type=int, help="warm-up steps per variant (2 on a GPU, 1 on the CPU)"
+    )
     c.add_argument(
         "--variants",
         default="v1-sync,v1-async,v2,checkpoint,save_on_cpu",
         help=f"comma-separated, from: {', '.join(VARIANTS)} (none always runs)",
     )
     c.add_argument("--device", choices=("cuda", "cpu"), help="cuda when available")
-    c.add_argument("--min-tensor-size", type=int,
-                   help="smallest tensor to offload, in elements (262144 on a GPU; 8192 on the "
-                   "CPU, whose default model is small)")
-    c.add_argument("--no-deterministic", action="store_true",
-                   help="allow nondeterministic kernels (the noise floor then shows their effect)")
-    c.add_argument("--sim-tflops", type=float, default=400.0,
-                   help="simulated mode: assumed device TFLOP/s (default 400)")
-    c.add_argument("--sim-link-gbps", type=float, default=50.0,
-                   help="simulated mode: assumed copy bandwidth each way, GB/s (default 50)")
+    c.add_argument(
+        "--min-tensor-size",
+        type=int,
+        help="smallest tensor to offload, in elements (262144 on a GPU; 8192 on the "
+        "CPU, whose default model is small)",
+    )
+    c.add_argument(
+        "--no-deterministic",
+        action="store_true",
+        help="allow nondeterministic kernels (the noise floor then shows their effect)",
+    )
+    c.add_argument(
+        "--sim-tflops",
+        type=float,
+        default=400.0,
+        help="simulated mode: assumed device TFLOP/s (default 400)",
+    )
+    c.add_argument(
+        "--sim-link-gbps",
+        type=float,
+        default=50.0,
+        help="simulated mode: assumed copy bandwidth each way, GB/s (default 50)",
+    )
     c.add_argument("--json", metavar="PATH", help="write the full report as JSON")
     c.add_argument("--plot", metavar="PATH.png", help="draw the timeline of one step and memory")
     c.add_argument("--quiet", action="store_true", help="no progress lines")

@@ -22,26 +22,39 @@ def format_table(report: CompareReport) -> str:
     none = report.result("none")
     sim = " (SIMULATED)" if report.simulated else ""
     head = [
-        "variant", "max|dloss|", "max|dgrad|", f"peak MiB{sim}", "x none",
-        f"step ms{sim}", "x none", "D2H GB/s", "H2D GB/s", "stall ms",
+        "variant",
+        "max|dloss|",
+        "max|dgrad|",
+        f"peak MiB{sim}",
+        "x none",
+        f"step ms{sim}",
+        "x none",
+        "D2H GB/s",
+        "H2D GB/s",
+        "stall ms",
     ]
     rows = [head]
     for r in report.results:
-        rows.append([
-            r.name,
-            f"{r.max_loss_diff:.3g}",
-            f"{r.max_grad_diff:.3g}",
-            f"{r.peak_bytes / _MIB:,.1f}",
-            _fmt(r.peak_bytes / none.peak_bytes if none.peak_bytes else None, ".3f"),
-            f"{r.step_ms:.2f}",
-            _fmt(r.step_ms / none.step_ms if none.step_ms else None, ".3f"),
-            _fmt(r.offload_gbps, ".1f"),
-            _fmt(r.reload_gbps, ".1f"),
-            _fmt(r.stall_ms, ".2f"),
-        ])
+        rows.append(
+            [
+                r.name,
+                f"{r.max_loss_diff:.3g}",
+                f"{r.max_grad_diff:.3g}",
+                f"{r.peak_bytes / _MIB:,.1f}",
+                _fmt(r.peak_bytes / none.peak_bytes if none.peak_bytes else None, ".3f"),
+                f"{r.step_ms:.2f}",
+                _fmt(r.step_ms / none.step_ms if none.step_ms else None, ".3f"),
+                _fmt(r.offload_gbps, ".1f"),
+                _fmt(r.reload_gbps, ".1f"),
+                _fmt(r.stall_ms, ".2f"),
+            ]
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = [
-        "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths, strict=True)))
+        "  ".join(
+            cell.ljust(w) if i == 0 else cell.rjust(w)
+            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        )
         for row in rows
     ]
     lines.insert(1, "-" * len(lines[0]))
@@ -91,7 +104,9 @@ def write_json(report: CompareReport, path: str | Path) -> None:
 _COLORS = {"compute": "#4C72B0", "offload": "#DD8452", "reload": "#55A868", "stall": "#C44E52"}
 
 
-def write_plot(report: CompareReport, path: str | Path, variants: tuple[str, ...] = ("v2", "v1-async")) -> None:
+def write_plot(
+    report: CompareReport, path: str | Path, variants: tuple[str, ...] = ("v2", "v1-async")
+) -> None:
     """Draw the stream timeline of one step per variant, and memory over the step.
 
     Raises:
@@ -107,21 +122,35 @@ def write_plot(report: CompareReport, path: str | Path, variants: tuple[str, ...
     shown = [r for r in report.results if r.name in variants and r.spans]
     if not shown:
         shown = [r for r in report.results if r.spans][:1]
-    fig, axes = plt.subplots(
-        len(shown) + 1, 1, figsize=(12, 2.2 * len(shown) + 3), squeeze=False
-    )
+    fig, axes = plt.subplots(len(shown) + 1, 1, figsize=(12, 2.2 * len(shown) + 3), squeeze=False)
     lanes = ["compute", "offload", "reload", "stall"]
     for ax, r in zip(axes[:, 0], shown, strict=False):
         for span in r.spans:
             y = lanes.index(span.lane)
-            ax.barh(y, span.end_ms - span.start_ms, left=span.start_ms, height=0.6,
-                    color=_COLORS[span.lane], edgecolor="white", linewidth=0.5)
+            ax.barh(
+                y,
+                span.end_ms - span.start_ms,
+                left=span.start_ms,
+                height=0.6,
+                color=_COLORS[span.lane],
+                edgecolor="white",
+                linewidth=0.5,
+            )
             if span.lane == "compute" and span.end_ms - span.start_ms > 0:
-                ax.text((span.start_ms + span.end_ms) / 2, y, span.label, ha="center",
-                        va="center", fontsize=6, color="white")
+                ax.text(
+                    (span.start_ms + span.end_ms) / 2,
+                    y,
+                    span.label,
+                    ha="center",
+                    va="center",
+                    fontsize=6,
+                    color="white",
+                )
         ax.set_yticks(range(len(lanes)), ["compute", "offload (D2H)", "reload (H2D)", "stall"])
         ax.invert_yaxis()
-        ax.set_title(f"{r.name}: one step, {r.step_ms:.1f} ms" + (" (simulated)" if report.simulated else ""))
+        ax.set_title(
+            f"{r.name}: one step, {r.step_ms:.1f} ms" + (" (simulated)" if report.simulated else "")
+        )
         ax.set_xlabel("ms")
     mem_ax = axes[-1, 0]
     for r in report.results:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .._compat import TORCH_VERSION_STRING
 from .._selection import ActivationPolicy
 from .._tensor_group import SavedEntry, TensorGroupProcessor
 from .._transport import CudaTransport, HostTransport, Transport
@@ -176,8 +177,14 @@ def _one_step(
         spans, memory = _timeline(rec, variant)
     for t in variant.transports:
         t.timeline = None
-    return _Step(loss.detach().float(), [p.grad.float() for p in layers.parameters()], ms, peak,
-                 spans, memory)
+    return _Step(
+        loss.detach().float(),
+        [p.grad.float() for p in layers.parameters()],
+        ms,
+        peak,
+        spans,
+        memory,
+    )
 
 
 def _timeline(rec: _Recorder, variant: Variant) -> tuple[list[Span], list[tuple[float, int]]]:
@@ -194,8 +201,12 @@ def _timeline(rec: _Recorder, variant: Variant) -> tuple[list[Span], list[tuple[
     for transport in variant.transports:
         for span in transport.timeline or ():
             spans.append(
-                Span(span.kind, f"{span.nbytes >> 20} MiB", rec.elapsed(start, span.start),
-                     rec.elapsed(start, span.end))
+                Span(
+                    span.kind,
+                    f"{span.nbytes >> 20} MiB",
+                    rec.elapsed(start, span.start),
+                    rec.elapsed(start, span.end),
+                )
             )
     return spans, memory
 
@@ -264,7 +275,9 @@ def _saved_per_layer(
             y = layer(x)
         storages: dict[int, int] = {}
         for t in saved:
-            if isinstance(t, nn.Parameter) or (t._base is not None and isinstance(t._base, nn.Parameter)):
+            if isinstance(t, nn.Parameter) or (
+                t._base is not None and isinstance(t._base, nn.Parameter)
+            ):
                 continue
             storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         entries = [SavedEntry(t, None, i) for i, t in enumerate(saved) if policy(t)]
@@ -351,7 +364,13 @@ def run_compare(
     names = list(dict.fromkeys(["none", *config.variants]))
     for idx, name in enumerate(names, 1):
         progress(f"[{idx}/{len(names)}] {name}: {config.warmup} warm-up + {config.steps} steps")
-        variant = make_variant(name, n, k, config.min_numel, transport_factory if name in ("v2", "v1-async", "v1-async-db") else None)
+        variant = make_variant(
+            name,
+            n,
+            k,
+            config.min_numel,
+            transport_factory if name in ("v2", "v1-async", "v1-async-db") else None,
+        )
         steps: list[_Step] = []
         for _ in range(config.warmup):
             _one_step(variant, layers, make_input, record=False)
@@ -378,17 +397,26 @@ def run_compare(
 
     report = CompareReport(
         config={
-            "model": spec.kind, "hidden": spec.hidden, "heads": spec.heads, "seq": spec.seq,
-            "batch": spec.batch, "layers": n, "offloaded": k, "dtype": str(spec.dtype).replace("torch.", ""),
-            "steps": config.steps, "min_tensor_size_to_offload": config.min_numel,
+            "model": spec.kind,
+            "hidden": spec.hidden,
+            "heads": spec.heads,
+            "seq": spec.seq,
+            "batch": spec.batch,
+            "layers": n,
+            "offloaded": k,
+            "dtype": str(spec.dtype).replace("torch.", ""),
+            "steps": config.steps,
+            "min_tensor_size_to_offload": config.min_numel,
             "deterministic": config.deterministic,
         },
         device=torch.cuda.get_device_name() if cuda else "cpu (CPU stand-in)",
-        torch_version=torch.__version__,
+        torch_version=TORCH_VERSION_STRING,
         simulated=not cuda,
         noise_floor_loss=noise_loss,
         noise_floor_grad=noise_grad,
-        link_d2h_gbps=link[0], link_h2d_gbps=link[1], link_duplex_gbps=link[2],
+        link_d2h_gbps=link[0],
+        link_h2d_gbps=link[1],
+        link_duplex_gbps=link[2],
         results=results,
     )
     progress("profiling layers for the transfer-bound floor")
@@ -429,12 +457,12 @@ def _profiles(
         starts = {s.label: s for s in none.spans if s.lane == "compute"}
         fwd = [starts[f"F{j}"].end_ms - starts[f"F{j}"].start_ms for j in range(len(layers))]
         bwd = [starts[f"B{j}"].end_ms - starts[f"B{j}"].start_ms for j in range(len(layers))]
-    return [
-        LayerProfile(f, b, s, o, i) for f, b, (s, o, i) in zip(fwd, bwd, saved, strict=True)
-    ]
+    return [LayerProfile(f, b, s, o, i) for f, b, (s, o, i) in zip(fwd, bwd, saved, strict=True)]
 
 
-def _simulate_into(report: CompareReport, profiles: list[LayerProfile], config: CompareConfig) -> None:
+def _simulate_into(
+    report: CompareReport, profiles: list[LayerProfile], config: CompareConfig
+) -> None:
     k = config.num_offloaded
     gbps = config.sim_link_gbps
     report.notes.append(

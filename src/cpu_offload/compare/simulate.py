@@ -85,8 +85,15 @@ class _Sim:
             self.spans.append(Span("stall", label, self.t, when))
             self.t = when
 
-    def copy(self, lane: str, label: str, free_at: float, earliest: float, nbytes: int,
-             not_before_end: float = 0.0) -> float:
+    def copy(
+        self,
+        lane: str,
+        label: str,
+        free_at: float,
+        earliest: float,
+        nbytes: int,
+        not_before_end: float = 0.0,
+    ) -> float:
         per_byte = self.d2h_ms_per_byte if lane == "offload" else self.h2d_ms_per_byte
         start = max(free_at, earliest)
         end = max(start + nbytes * per_byte, not_before_end)
@@ -219,7 +226,9 @@ def _v1_async(sim: _Sim, p: list[LayerProfile], k: int) -> None:
     for j in reversed(range(n)):
         for group in sorted(release_at.get(j, ()), reverse=True):
             sim.alloc(p[group].offload_bytes)
-            reload_end[group] = sim.copy("reload", f"L{group}", h2d_free, sim.t, p[group].offload_bytes)
+            reload_end[group] = sim.copy(
+                "reload", f"L{group}", h2d_free, sim.t, p[group].offload_bytes
+            )
             h2d_free = reload_end[group]
         if j < k:
             sim.wait_until(reload_end[j], f"wait reload L{j}")

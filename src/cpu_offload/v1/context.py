@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import warnings
 from types import TracebackType
 from typing import Any
 
@@ -13,6 +12,7 @@ import torch
 from .._selection import is_marked_for_offload
 from .._state import pop_active, push_active
 from .._transport import Transport
+from .._warn import warn_at_caller
 from .handlers import AsyncDoubleBufferGroupOffloadHandler, OffloadHandler
 
 __all__ = [
@@ -208,10 +208,9 @@ def get_cpu_offload_context(
     if not enabled:
         return contextlib.nullcontext(), _commit_disabled
     if offload_weights:
-        warnings.warn(
+        warn_at_caller(
             "offload_weights=True is deprecated and has no effect: weights are never offloaded",
             DeprecationWarning,
-            stacklevel=2,
         )
     if not offload_activations:
         if not offload_weights:
@@ -235,4 +234,3 @@ def get_cpu_offload_context(
     )
     context = CpuOffloadHookWithOffloadHandler(handler)
     return context, functools.partial(group_prefetch_offload_commit, offload_handler=handler)
-

@@ -35,6 +35,18 @@ class _OnDevice:
         return self.transport.accepts(tensor) and self.checker(tensor)
 
 
+class _Tag(tuple):  # noqa: SLOT001 - carries the iteration beside the (group, index) pair
+    """A ``(group, index)`` tag that also knows the iteration it was made in."""
+
+    iteration: int
+
+
+def _tag(group: int, index: int, iteration: int) -> _Tag:
+    tag = _Tag((group, index))
+    tag.iteration = iteration
+    return tag
+
+
 class OffloadHandler:
     """Base of the V1 handlers: what to keep for a saved tensor and how to get it back."""
 
@@ -219,6 +231,7 @@ class AsyncDoubleBufferGroupOffloadHandler(SynchronizedGroupOffloadHandler):
             )
         self.num_model_group = num_model_group
         self.double_buffering = double_buffering
+        self.iteration = 0  # stamps tags, so a stale backward fails instead of mixing data
         if transport is None:
             if torch.cuda.is_available():
                 transport = CudaTransport(torch.cuda.Stream(), reload_stream=torch.cuda.Stream())
@@ -255,7 +268,7 @@ class AsyncDoubleBufferGroupOffloadHandler(SynchronizedGroupOffloadHandler):
         out = self.groups[self.current_group].push_tensor(tensor)
         if isinstance(out, torch.Tensor):
             return out
-        return (self.current_group, out)
+        return _tag(self.current_group, out, self.iteration)
 
     def on_group_commit_forward(self) -> None:
         layer = self.current_group
@@ -297,6 +310,12 @@ class AsyncDoubleBufferGroupOffloadHandler(SynchronizedGroupOffloadHandler):
         if isinstance(tensor_tag, torch.Tensor):
             return tensor_tag
         group, index = tensor_tag
+        if getattr(tensor_tag, "iteration", self.iteration) != self.iteration:
+            raise RuntimeError(
+                "a tensor saved under the V1 offload context belongs to an earlier forward "
+                "pass whose memory was released when the next forward began: run backward "
+                "before the next forward (or use one offload context per micro-batch in flight)"
+            )
         state = self.groups[group]
         if state.phase is LayerPhase.OFFLOAD_FINISHED:
             state.start_reload()  # backward skipped the commit hook: reload without prefetch
@@ -309,7 +328,8 @@ class AsyncDoubleBufferGroupOffloadHandler(SynchronizedGroupOffloadHandler):
 
     def groupid_reset(self) -> None:
         super().groupid_reset()
-        for state in getattr(self, "groups", ()):
+        self.iteration += 1
+        for state in self.groups:
             state.release_all_memory()
 
     def is_current_group_offloaded(self) -> bool:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import warnings
 from types import TracebackType
 from typing import Any
 
@@ -12,7 +11,12 @@ import torch
 from .._selection import ActivationPolicy
 from .._state import active_context, pop_active, push_active
 from .._transport import Transport, default_transport
-from .schedule import check_layer_counts, default_synchronization_dict, validate_synchronization_dict
+from .._warn import warn_at_caller
+from .schedule import (
+    check_layer_counts,
+    default_synchronization_dict,
+    validate_synchronization_dict,
+)
 from .synchronizer import DefaultOffloadSynchronizer, ManualOffloadSynchronizer, OffloadSynchronizer
 
 __all__ = ["OffloadContext", "SyncFunction", "get_cpu_offload_context", "start_offload"]
@@ -165,10 +169,7 @@ def get_cpu_offload_context(
     synchronization_dict: dict[int, tuple[bool, int, bool, int]] | None = None,
     min_tensor_size_to_offload: int = DEFAULT_MIN_TENSOR_SIZE,
     transport: Transport | None = None,
-) -> (
-    tuple[Any, Any]
-    | tuple[Any, Any, ManualOffloadSynchronizer | None]
-):
+) -> tuple[Any, Any] | tuple[Any, Any, ManualOffloadSynchronizer | None]:
     """Make the context and sync function that offload activations to host memory.
 
     Wrap each layer's forward in the context and pass its output through the sync
@@ -236,13 +237,11 @@ def get_cpu_offload_context(
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if model_layers is None:
         raise TypeError("model_layers must be an int, got None")
-    if (
-        isinstance(min_tensor_size_to_offload, bool)
-        or not isinstance(min_tensor_size_to_offload, int)
-        or min_tensor_size_to_offload < 0
+    if isinstance(min_tensor_size_to_offload, bool) or not isinstance(
+        min_tensor_size_to_offload, int
     ):
-        raise ValueError(
-            "min_tensor_size_to_offload must be an int >= 0 (a number of elements), "
+        raise TypeError(
+            "min_tensor_size_to_offload must be an int (a number of elements), "
             f"got {min_tensor_size_to_offload!r}"
         )
     if offload_stream is not None and not isinstance(offload_stream, torch.cuda.Stream):
@@ -250,7 +249,9 @@ def get_cpu_offload_context(
             f"offload_stream must be a torch.cuda.Stream or None, got {type(offload_stream).__name__}"
         )
     if transport is not None and not isinstance(transport, Transport):
-        raise TypeError(f"transport must be a cpu_offload Transport, got {type(transport).__name__}")
+        raise TypeError(
+            f"transport must be a cpu_offload Transport, got {type(transport).__name__}"
+        )
 
     disabled: tuple[Any, ...] = (contextlib.nullcontext(), _identity)
     if manual_synchronization:
@@ -259,10 +260,9 @@ def get_cpu_offload_context(
         return disabled  # type: ignore[return-value]
 
     if offload_weights:
-        warnings.warn(
+        warn_at_caller(
             "offload_weights=True is deprecated and has no effect: weights are never offloaded",
             DeprecationWarning,
-            stacklevel=2,
         )
     if not offload_activations:
         if not offload_weights:
@@ -274,6 +274,11 @@ def get_cpu_offload_context(
 
     if model_layers < 1:
         raise ValueError(f"model_layers must be >= 1, got {model_layers}")
+    if min_tensor_size_to_offload < 0:
+        raise ValueError(
+            "min_tensor_size_to_offload must be >= 0 (a number of elements), "
+            f"got {min_tensor_size_to_offload}"
+        )
     if manual_synchronization and synchronization_dict is not None:
         raise ValueError(
             "synchronization_dict and manual_synchronization=True exclude each other: "

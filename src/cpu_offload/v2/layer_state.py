@@ -190,15 +190,20 @@ class OffloadableLayerState:
         self._expect("start_reload", LayerPhase.OFFLOAD_FINISHED)
         assert self._plan is not None
         for i, unit in enumerate(self._plan.units):
-            assert unit.host is not None
             buf = device_buffers[i] if device_buffers and i < len(device_buffers) else None
-            if buf is not None and TensorLayout.of(buf) == unit.layout:
-                unit.reloaded = buf
-            else:
-                unit.reloaded = self.transport.allocate(unit.layout, unit.device)
-            src = HostBufferPool.view(unit.host, unit.layout)
-            unit.restored = self.transport.reload(src, unit.reloaded)
+            self._reload_unit(unit, buf)
         self.phase = LayerPhase.RELOAD_STARTED
+
+    def _reload_unit(self, unit: Unit, buffer: torch.Tensor | None = None) -> None:
+        assert unit.host is not None
+        if buffer is not None and TensorLayout.of(buffer) == unit.layout:
+            unit.reloaded = buffer
+        else:
+            unit.reloaded = self.transport.allocate(unit.layout, unit.device)
+        unit.restored = self.transport.reload(
+            HostBufferPool.view(unit.host, unit.layout), unit.reloaded
+        )
+        unit.waited = False
 
     def pop_tensor(self, tensor_or_id: int | torch.Tensor) -> torch.Tensor:
         """Give back a tensor pushed earlier, waiting for its own reload if needed.
@@ -223,11 +228,10 @@ class OffloadableLayerState:
         for u in unit_ids:
             unit = self._plan.units[u]
             if unit.reloaded is None:
-                raise RuntimeError(
-                    f"saved tensor {tensor_or_id} of {self.name} was already handed to "
-                    "backward and released; backward over the same graph twice "
-                    "(retain_graph=True) is not supported with offloading"
-                )
+                # Read more often than it was saved (a custom Function reading
+                # ctx.saved_tensors twice): the host copy is still here, copy it again.
+                self._reload_unit(unit)
+                unit.pending_pops += 1
             if not unit.waited:
                 self.transport.wait(unit.restored)
                 unit.waited = True
@@ -235,7 +239,7 @@ class OffloadableLayerState:
         for u in unit_ids:
             unit = self._plan.units[u]
             unit.pending_pops -= 1
-            if unit.pending_pops == 0:
+            if unit.pending_pops <= 0:
                 # Autograd now holds the only references it needs: drop ours so the
                 # memory goes as soon as the layer's backward is done with it.
                 unit.reloaded = None

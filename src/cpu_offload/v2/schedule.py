@@ -9,9 +9,10 @@ forward (``offload_fwd=True``) or backward (``False``); it starts its reload whe
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from .._warn import warn_at_caller
 
 __all__ = ["Point", "Schedule", "default_synchronization_dict", "validate_synchronization_dict"]
 
@@ -150,11 +151,10 @@ def check_layer_counts(num_layers: object, model_layers: object) -> tuple[int, i
             f"got {k}: at least one layer's activations must stay on the GPU"
         )
     if n > 1 and k == n - 1:
-        warnings.warn(
+        warn_at_caller(
             f"num_layers={k} = model_layers - 1 leaves one layer's activations on the GPU, "
             "so copies cannot overlap compute (every layer waits for the previous one's "
             f"offload); use num_layers <= {n - 2} for overlap",
             UserWarning,
-            stacklevel=3,
         )
     return k, n

@@ -8,7 +8,6 @@ counts forward and backward steps. Its subclasses decide the moments:
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,6 +16,7 @@ import torch
 from .._compat import capture_buffer_policy, is_current_stream_capturing, queue_backward_callback
 from .._tensor_group import TensorGroupProcessor
 from .._transport import CudaTransport, Transport, default_transport
+from .._warn import warn_at_caller
 from .layer_state import LayerPhase, OffloadableLayerState
 from .schedule import Point, Schedule, SyncDict, default_synchronization_dict
 
@@ -185,11 +185,10 @@ class OffloadSynchronizer:
         # autograd.grad, a manual schedule without start_reload_layer): do it now.
         if not self._warned_on_demand:
             self._warned_on_demand = True
-            warnings.warn(
+            warn_at_caller(
                 f"cpu_offload: backward reached layer {layer_id} before its reload was "
                 "started; reloading it now, without overlap. Check model_layers and that "
-                "every layer's output went through sync_function.",
-                stacklevel=3,
+                "every layer's output went through sync_function."
             )
         if state.phase is LayerPhase.OFFLOAD_STARTED:
             state.release_activation_forward_gpu_memory()
