@@ -44,10 +44,17 @@ REFERENCE = {
 def _run(name: str, dims: dict, k: int, steps: int) -> dict:
     spec = ModelSpec(kind="gpt", dtype=torch.bfloat16, **dims)
     config = CompareConfig(
-        spec=spec, num_offloaded=k, variants=VARIANTS, steps=steps, warmup=2,
-        deterministic=False, device="cuda",
+        spec=spec,
+        num_offloaded=k,
+        variants=VARIANTS,
+        steps=steps,
+        warmup=2,
+        deterministic=False,
+        device="cuda",
     )
-    report = run_compare(config, lambda m: print(f"  {name} k={k}: {m}", file=sys.stderr, flush=True))
+    report = run_compare(
+        config, lambda m: print(f"  {name} k={k}: {m}", file=sys.stderr, flush=True)
+    )
     none = report.result("none")
     n = spec.layers
     per_layer = none.peak_bytes / n
@@ -69,17 +76,30 @@ def _run(name: str, dims: dict, k: int, steps: int) -> dict:
     link = min(report.link_d2h_gbps, report.link_h2d_gbps)
     checks = {
         "v2 within 3% of the floor": v2.step_ms <= 1.03 * floor,
-        "offload bandwidth >= 90% of pinned copy": (v2.offload_gbps or 0) >= 0.9 * report.link_d2h_gbps,
-        "reload bandwidth >= 90% of pinned copy": (v2.reload_gbps or 0) >= 0.9 * report.link_h2d_gbps,
-        "peak <= (n-k)/n of none + one layer": v2.peak_bytes <= (n - k) / n * none.peak_bytes + per_layer,
+        "offload bandwidth >= 90% of pinned copy": (v2.offload_gbps or 0)
+        >= 0.9 * report.link_d2h_gbps,
+        "reload bandwidth >= 90% of pinned copy": (v2.reload_gbps or 0)
+        >= 0.9 * report.link_h2d_gbps,
+        "peak <= (n-k)/n of none + one layer": v2.peak_bytes
+        <= (n - k) / n * none.peak_bytes + per_layer,
         "faster than save_on_cpu": v2.step_ms < report.result("save_on_cpu").step_ms,
     }
     return {
-        "workload": name, "k": k, "n": n, "rows": rows, "floor_ms": floor,
-        "floor_duplex_ms": report.floor_ms.get("v2-duplex"), "link_gbps": {
-            "d2h": report.link_d2h_gbps, "h2d": report.link_h2d_gbps, "both": report.link_duplex_gbps},
+        "workload": name,
+        "k": k,
+        "n": n,
+        "rows": rows,
+        "floor_ms": floor,
+        "floor_duplex_ms": report.floor_ms.get("v2-duplex"),
+        "link_gbps": {
+            "d2h": report.link_d2h_gbps,
+            "h2d": report.link_h2d_gbps,
+            "both": report.link_duplex_gbps,
+        },
         "noise_floor": [report.noise_floor_loss, report.noise_floor_grad],
-        "checks": checks, "link_min": link, "config": asdict(config.spec) | {"dtype": "bfloat16"},
+        "checks": checks,
+        "link_min": link,
+        "config": asdict(config.spec) | {"dtype": "bfloat16"},
     }
 
 
@@ -106,16 +126,25 @@ def _markdown(results: list[dict], device: str) -> str:
         ]
         ref = REFERENCE.get((res["workload"], k), {})
         for name, row in res["rows"].items():
+
             def f(v, spec):
                 return "-" if v is None else format(v, spec)
+
             out.append(
                 f"| {name} | {row['step_ms']:.1f} | {row['step_ratio']:.2f} | {row['peak_mib']:,.0f} | "
                 f"{row['peak_ratio']:.2f} | {f(row['offload_gbps'], '.1f')} | {f(row['reload_gbps'], '.1f')} | "
                 f"{f(row['stall_ms'], '.1f')} | {f(ref.get(name), '.2f')} |"
             )
         if "torchtune" in ref:
-            out.append(f"| torchtune OffloadActivations (reference, not run) | | | | | | | | {ref['torchtune']:.2f} |")
-        out += ["", "Targets: " + "; ".join(f"{c}: {'met' if ok else 'NOT met'}" for c, ok in res["checks"].items()), ""]
+            out.append(
+                f"| torchtune OffloadActivations (reference, not run) | | | | | | | | {ref['torchtune']:.2f} |"
+            )
+        out += [
+            "",
+            "Targets: "
+            + "; ".join(f"{c}: {'met' if ok else 'NOT met'}" for c, ok in res["checks"].items()),
+            "",
+        ]
     return "\n".join(out)
 
 
@@ -146,8 +175,17 @@ def main() -> int:
     print(md)
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"device": device, "torch": torch.__version__, "date": datetime.date.today().isoformat(),
-                       "results": results}, fh, indent=2, default=str)
+            json.dump(
+                {
+                    "device": device,
+                    "torch": torch.__version__,
+                    "date": datetime.date.today().isoformat(),
+                    "results": results,
+                },
+                fh,
+                indent=2,
+                default=str,
+            )
     if args.markdown:
         with open(args.markdown, "w") as fh:
             fh.write(md)

@@ -524,7 +524,8 @@ def test_state_dict_is_keyed_like_a_plain_optimizers() -> None:
     ]
     for g, g_ref in zip(sd["param_groups"], sd_ref["param_groups"], strict=True):
         assert set(g) == set(g_ref)
-        assert g["decoupled_weight_decay"] is True
+        if "decoupled_weight_decay" in g_ref:  # an AdamW group key from PyTorch 2.7 on
+            assert g["decoupled_weight_decay"] is True
         assert {k: v for k, v in g.items() if k not in ("fused", "foreach")} == {
             k: v for k, v in g_ref.items() if k not in ("fused", "foreach")
         }

@@ -6,10 +6,10 @@ import functools
 
 import pytest
 import torch
+from helpers import assert_bit_equal, step
 
 from cpu_offload import v1
 from cpu_offload.models import ModelSpec, build_layers
-from helpers import assert_bit_equal, step
 
 pytestmark = pytest.mark.cuda
 

@@ -176,7 +176,7 @@ class TensorGroupProcessor:
     def _flatten(self, tensor: torch.Tensor, entry: SavedEntry, leaves: list[_Leaf]) -> object:
         # A template mirrors the nesting of wrapper subclasses; ints are leaf indices.
         if _is_wrapper(tensor):
-            names, ctx = tensor.__tensor_flatten__()
+            names, ctx = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
             inner = {n: self._flatten(getattr(tensor, n), entry, leaves) for n in names}
             return (type(tensor), ctx, tensor.size(), tensor.stride(), inner)
         leaves.append(_Leaf(tensor, entry.ready, entry.seq, entry.force_base))
@@ -221,7 +221,11 @@ class TensorGroupProcessor:
             for i, t in zip(members, tensors, strict=True):
                 view = None
                 if _storage_key(t) != root_key:
-                    view = (tuple(t.shape), t.stride(), t.storage_offset() - root.storage_offset())
+                    view = (
+                        tuple(t.shape),
+                        t.stride(),
+                        int(t.storage_offset() - root.storage_offset()),
+                    )
                 refs[i] = _UnitRef(u, view)
             return refs
         for i, t in zip(members, tensors, strict=True):
@@ -261,7 +265,7 @@ class TensorGroupProcessor:
             return ref.tensor
         if isinstance(ref, _SubclassRef):
             inner = {n: TensorGroupProcessor.restore(plan, r) for n, r in ref.inner.items()}
-            return ref.cls.__tensor_unflatten__(inner, ref.ctx, ref.size, ref.stride)
+            return ref.cls.__tensor_unflatten__(inner, ref.ctx, ref.size, ref.stride)  # type: ignore[attr-defined]
         base = plan.units[ref.unit].reloaded
         assert base is not None, "unit restored before it was reloaded"
         if ref.view is None:

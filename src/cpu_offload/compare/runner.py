@@ -150,9 +150,9 @@ def _one_step(
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
+    x = make_input()  # before the first mark: making the batch is not part of the step
     rec = _Recorder(cuda, base)
     rec.mark("start")
-    x = make_input()
     for j, layer in enumerate(layers):
         if record:
             rec.mark(f"F{j}")
@@ -179,7 +179,7 @@ def _one_step(
         t.timeline = None
     return _Step(
         loss.detach().float(),
-        [p.grad.float() for p in layers.parameters()],
+        [p.grad.float() for p in layers.parameters() if p.grad is not None],
         ms,
         peak,
         spans,
@@ -257,6 +257,21 @@ def measure_link(nbytes: int = 256 << 20, repeats: int = 5) -> tuple[float, floa
     return d, h, b
 
 
+class _Collect:
+    """Pack hook that keeps every saved tensor in a list."""
+
+    def __init__(self, into: list[torch.Tensor]) -> None:
+        self.into = into
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.into.append(tensor)
+        return tensor
+
+
+def _identity(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
 def _saved_per_layer(
     layers: nn.ModuleList, x: torch.Tensor, min_numel: int
 ) -> list[tuple[int, int, int]]:
@@ -266,12 +281,7 @@ def _saved_per_layer(
     processor = TensorGroupProcessor()
     for layer in layers:
         saved: list[torch.Tensor] = []
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            saved.append(t)
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(_Collect(saved), _identity):
             y = layer(x)
         storages: dict[int, int] = {}
         for t in saved:
@@ -339,16 +349,17 @@ def run_compare(
     spec = config.spec
     device = torch.device(config.device)
     layers = build_layers(spec, device)
+    batch = spec.make_input("cpu")  # one batch, copied to the device for every step
 
     def make_input() -> torch.Tensor:
-        return spec.make_input(device)
+        return batch.to(device)
 
     n, k = spec.layers, config.num_offloaded
 
     def transport_factory() -> Transport:
         return CudaTransport() if cuda else HostTransport()
 
-    link = (None, None, None)
+    link: tuple[float, float, float] | tuple[None, None, None] = (None, None, None)
     if cuda:
         progress("measuring the pinned copy bandwidth")
         link = measure_link()
@@ -424,6 +435,7 @@ def run_compare(
     if not cuda:
         _simulate_into(report, profiles, config)
     else:
+        assert link[0] is not None
         for duplex in (False, True):
             sim = simulate(profiles, "v2", k, link[0], link[1], duplex=duplex)
             report.floor_ms["v2-duplex" if duplex else "v2"] = sim.step_ms

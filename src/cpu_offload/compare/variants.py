@@ -101,7 +101,7 @@ class _V2(Variant):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         transport = self._transport()
-        self.ctx, self.sync = v2.get_cpu_offload_context(
+        self.ctx, self.sync = v2.get_cpu_offload_context(  # type: ignore[misc]
             True,
             self.k,
             self.n,

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from .._args import check_bool, check_int
 from .._selection import is_marked_for_offload
 from .._state import pop_active, push_active
 from .._transport import Transport
@@ -194,17 +195,16 @@ def get_cpu_offload_context(
         ...     x = commit(x)
         >>> x.sum().backward()
     """
-    for name, value in (
+    flags: tuple[tuple[str, object], ...] = (
         ("enabled", enabled),
         ("offload_activations", offload_activations),
         ("offload_weights", offload_weights),
         ("double_buffering", double_buffering),
-    ):
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be a bool (True or False), got {value!r}")
-    for name, value in (("num_layers", num_layers), ("model_layers", model_layers)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    )
+    for name, flag in flags:
+        check_bool(name, flag)
+    check_int("num_layers", num_layers)
+    check_int("model_layers", model_layers)
     if not enabled:
         return contextlib.nullcontext(), _commit_disabled
     if offload_weights:

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from .._args import check_bool, check_int
 from .._selection import ActivationPolicy
 from .._state import active_context, pop_active, push_active
 from .._transport import Transport, default_transport
@@ -149,12 +150,6 @@ class SyncFunction:
         return out
 
 
-def _check_bool(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool (True or False), got {value!r}")
-    return value
-
-
 def get_cpu_offload_context(
     enabled: bool = False,
     num_layers: int | None = 1,
@@ -223,27 +218,20 @@ def get_cpu_offload_context(
         ...     x = sync(x)
         >>> x.sum().backward()
     """
-    for name, value in (
+    flags: tuple[tuple[str, object], ...] = (
         ("enabled", enabled),
         ("offload_activations", offload_activations),
         ("offload_weights", offload_weights),
         ("double_buffering", double_buffering),
         ("manual_synchronization", manual_synchronization),
         ("retain_pinned_cpu_buffers", retain_pinned_cpu_buffers),
-    ):
-        _check_bool(name, value)
-    for name, value in (("num_layers", num_layers), ("model_layers", model_layers)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if model_layers is None:
-        raise TypeError("model_layers must be an int, got None")
-    if isinstance(min_tensor_size_to_offload, bool) or not isinstance(
-        min_tensor_size_to_offload, int
-    ):
-        raise TypeError(
-            "min_tensor_size_to_offload must be an int (a number of elements), "
-            f"got {min_tensor_size_to_offload!r}"
-        )
+    )
+    for name, flag in flags:
+        check_bool(name, flag)
+    if num_layers is not None:
+        check_int("num_layers", num_layers)
+    check_int("model_layers", model_layers)
+    check_int("min_tensor_size_to_offload", min_tensor_size_to_offload)
     if offload_stream is not None and not isinstance(offload_stream, torch.cuda.Stream):
         raise TypeError(
             f"offload_stream must be a torch.cuda.Stream or None, got {type(offload_stream).__name__}"
@@ -310,6 +298,7 @@ def get_cpu_offload_context(
     context = OffloadContext(synchronizer)
     sync_function = SyncFunction(context)
     if manual_synchronization:
+        assert isinstance(synchronizer, ManualOffloadSynchronizer)
         return context, sync_function, synchronizer
     return context, sync_function
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from .._args import check_int
 from .._warn import warn_at_caller
 
 __all__ = ["Point", "Schedule", "default_synchronization_dict", "validate_synchronization_dict"]
@@ -45,12 +46,6 @@ def default_synchronization_dict(num_offloaded: int, num_layers: int) -> SyncDic
     return {i: (True, n - k + i, False, n - k + i - 1) for i in range(k)}
 
 
-def _check_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    return value
-
-
 def validate_synchronization_dict(sync: object, num_layers: int) -> SyncDict:
     """Check a ``synchronization_dict`` against ``num_layers`` (the model's layers).
 
@@ -75,7 +70,7 @@ def validate_synchronization_dict(sync: object, num_layers: int) -> SyncDict:
     out: SyncDict = {}
     n = num_layers
     for layer, value in sync.items():
-        layer = _check_int("synchronization_dict keys (layer ids)", layer)
+        layer = check_int("synchronization_dict keys (layer ids)", layer)
         if not 0 <= layer < n:
             raise ValueError(
                 f"synchronization_dict: layer id {layer} is out of range [0, {n - 1}] "
@@ -93,7 +88,7 @@ def validate_synchronization_dict(sync: object, num_layers: int) -> SyncDict:
                     f"synchronization_dict[{layer}]: {name} must be a bool, got {flag!r}"
                 )
         for name, num in (("offload_num", offload_num), ("reload_num", reload_num)):
-            _check_int(f"synchronization_dict[{layer}]: {name}", num)
+            check_int(f"synchronization_dict[{layer}]: {name}", num)
             if not 0 <= num < n:
                 raise ValueError(
                     f"synchronization_dict[{layer}]: {name}={num} is out of range [0, {n - 1}]"
@@ -141,8 +136,8 @@ def check_layer_counts(num_layers: object, model_layers: object) -> tuple[int, i
         TypeError: If either is not an int.
         ValueError: If ``model_layers < 1`` or ``num_layers`` is not in [0, model_layers-1].
     """
-    k = _check_int("num_layers", num_layers)
-    n = _check_int("model_layers", model_layers)
+    k = check_int("num_layers", num_layers)
+    n = check_int("model_layers", model_layers)
     if n < 1:
         raise ValueError(f"model_layers must be >= 1, got {n}")
     if not 0 <= k <= n - 1:
