@@ -117,10 +117,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
     spec = ModelSpec(
         kind=args.model,
-        hidden=args.hidden or (1024 if gpu else 128),
+        hidden=args.hidden or (2048 if gpu else 128),
         heads=args.heads or (16 if gpu else 4),
-        seq=args.seq or (1024 if gpu else 128),
-        batch=args.batch or 4,
+        seq=args.seq or (2048 if gpu else 128),
+        batch=args.batch or (2 if gpu else 4),
         layers=args.layers or (8 if gpu else 6),
         dtype=getattr(torch, _DTYPES[args.dtype or ("bf16" if gpu else "fp32")]),
     )

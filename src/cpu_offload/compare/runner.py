@@ -139,6 +139,7 @@ def _one_step(
     layers: nn.ModuleList,
     make_input: Callable[[], torch.Tensor],
     record: bool,
+    keep_grads: bool = False,
 ) -> _Step:
     cuda = next(layers.parameters()).is_cuda
     for p in layers.parameters():
@@ -179,7 +180,9 @@ def _one_step(
         t.timeline = None
     return _Step(
         loss.detach().float(),
-        [p.grad.float() for p in layers.parameters() if p.grad is not None],
+        # Only the steps compared keep their gradients, in their own dtype: a copy of
+        # every gradient per step would take more memory than the model on a big one.
+        [p.grad.clone() for p in layers.parameters() if p.grad is not None] if keep_grads else [],
         ms,
         peak,
         spans,
@@ -328,8 +331,16 @@ def _forward_cost(layers: nn.ModuleList, x: torch.Tensor) -> list[tuple[int, int
 # -- the comparison --------------------------------------------------------------------
 
 
-def _max_diff(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
-    return max(((x - y).abs().max().item() for x, y in zip(a, b, strict=True)), default=0.0)
+def _diffs(step: _Step, ref: _Step) -> tuple[float, float]:
+    """Largest absolute difference of the loss and of any gradient element."""
+    grad = max(
+        (
+            (x.float() - y.float()).abs().max().item()
+            for x, y in zip(step.grads, ref.grads, strict=True)
+        ),
+        default=0.0,
+    )
+    return abs(step.loss - ref.loss).item(), grad
 
 
 def run_compare(
@@ -366,10 +377,10 @@ def run_compare(
 
     progress("reference run without offloading (twice: the noise floor)")
     baseline = make_variant("none", n, k, config.min_numel)
-    ref = _one_step(baseline, layers, make_input, record=False)
-    again = _one_step(baseline, layers, make_input, record=False)
-    noise_loss = abs(ref.loss - again.loss).item()
-    noise_grad = _max_diff(ref.grads, again.grads)
+    ref = _one_step(baseline, layers, make_input, record=False, keep_grads=True)
+    noise_loss, noise_grad = _diffs(
+        _one_step(baseline, layers, make_input, record=False, keep_grads=True), ref
+    )
 
     results: list[VariantResult] = []
     names = list(dict.fromkeys(["none", *config.variants]))
@@ -386,15 +397,16 @@ def run_compare(
         for _ in range(config.warmup):
             _one_step(variant, layers, make_input, record=False)
         before = sum(t.bytes_offloaded for t in variant.transports)
-        for _ in range(config.steps):
-            steps.append(_one_step(variant, layers, make_input, record=False))
+        for i in range(config.steps):
+            steps.append(_one_step(variant, layers, make_input, record=False, keep_grads=i == 0))
         moved = sum(t.bytes_offloaded for t in variant.transports) - before
         timed = _one_step(variant, layers, make_input, record=True)
-        first = steps[0]
+        loss_diff, grad_diff = _diffs(steps[0], ref)
+        steps[0].grads.clear()
         result = VariantResult(
             name=name,
-            max_loss_diff=abs(first.loss - ref.loss).item(),
-            max_grad_diff=_max_diff(first.grads, ref.grads),
+            max_loss_diff=loss_diff,
+            max_grad_diff=grad_diff,
             peak_bytes=max(s.peak for s in steps),
             step_ms=statistics.median(s.ms for s in steps),
             step_times_ms=[s.ms for s in steps],
