@@ -10,6 +10,7 @@ transport: numerics are real, while times and memory come from the timeline mode
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -417,6 +418,12 @@ def run_compare(
         if cuda and variant.transports:
             _copy_figures(result, timed.spans)
         results.append(result)
+        # The next variant starts from the same memory: drop this one's buffers (its
+        # hooks and handlers hold reference cycles) before measuring the next peak.
+        del variant, steps, timed
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
 
     report = CompareReport(
         config={
