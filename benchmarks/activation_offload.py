@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import json
 import sys
 from dataclasses import asdict
