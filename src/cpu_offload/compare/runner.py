@@ -144,7 +144,13 @@ def _one_step(
 ) -> _Step:
     cuda = next(layers.parameters()).is_cuda
     for p in layers.parameters():
-        p.grad = None
+        # Gradients stay allocated between steps (zero_grad(set_to_none=False)), so the
+        # peak above the step's start is activations and temporaries alone, whichever
+        # moment of backward each variant peaks at.
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        else:
+            p.grad.zero_()
     for t in variant.transports:
         t.timeline = [] if (record and cuda) else None
     base = 0
