@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import subprocess
 import sys
 from dataclasses import asdict
 
@@ -31,7 +32,7 @@ WORKLOADS = {
     "B": dict(hidden=2048, heads=16, batch=4, seq=2048, layers=24),
 }
 SMALL = {"A-small": dict(hidden=1024, heads=8, batch=2, seq=1024, layers=8)}
-VARIANTS = ("v2", "v1-async", "save_on_cpu", "checkpoint")
+VARIANTS = ("v2", "v1-async", "v1-async-db", "save_on_cpu", "checkpoint")
 #: Measured before the project on an H100 PCIe (SPEC.md section 7): step-time ratios.
 REFERENCE = {
     ("A", 4): {"checkpoint": 1.07, "save_on_cpu": 1.74, "torchtune": 3.51},
@@ -148,6 +149,18 @@ def _markdown(results: list[dict], device: str) -> str:
     return "\n".join(out)
 
 
+def _run_isolated(name: str, k: int, steps: int, small: bool) -> dict:
+    # Each workload runs in a fresh process: measurements start from an empty GPU, and
+    # nothing one workload leaves behind can push the next one out of memory.
+    cmd = [sys.executable, __file__, "--one", f"{name}:{k}", "--steps", str(steps)]
+    if small:
+        cmd.append("--small")
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False)
+    if proc.returncode != 0:
+        return {"workload": name, "k": k, "error": f"exit code {proc.returncode}"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--small", action="store_true", help="a small workload (about a minute)")
@@ -155,41 +168,47 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--json", help="write all figures as JSON")
     parser.add_argument("--markdown", help="write the tables as Markdown")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # NAME:K, run in this process
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("this benchmark needs a CUDA GPU")
-    torch.backends.cuda.matmul.allow_tf32 = True
-    plan = []
-    if args.small:
-        plan = [("A-small", SMALL["A-small"], k) for k in (2, 4)]
-    else:
-        for w in args.workloads.split(","):
-            dims = WORKLOADS[w.strip()]
-            plan += [(w.strip(), dims, dims["layers"] // 4), (w.strip(), dims, dims["layers"] // 2)]
-    results = []
-    for name, dims, k in plan:
-        results.append(_run(name, dims, k, args.steps))
-        torch.cuda.empty_cache()
+    table = SMALL if args.small else WORKLOADS
+    if args.one:
+        name, k = args.one.split(":")
+        print(json.dumps(_run(name, table[name], int(k), args.steps), default=str))
+        return 0
+    names = list(SMALL) if args.small else [w.strip() for w in args.workloads.split(",")]
+    plan = [(name, table[name]["layers"] // d) for name in names for d in (4, 2)]
     device = torch.cuda.get_device_name()
-    md = _markdown(results, device)
+    results: list[dict] = []
+    for name, k in plan:
+        results.append(_run_isolated(name, k, args.steps, args.small))
+        # Written after every workload, so that a run cut short keeps what it measured.
+        done = [r for r in results if "error" not in r]
+        md = _markdown(done, device)
+        md += "".join(
+            f"\nWorkload {r['workload']} k={r['k']} failed: {r['error']}\n"
+            for r in results
+            if "error" in r
+        )
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(
+                    {
+                        "device": device,
+                        "torch": torch.__version__,
+                        "date": datetime.date.today().isoformat(),
+                        "results": results,
+                    },
+                    fh,
+                    indent=2,
+                    default=str,
+                )
+        if args.markdown:
+            with open(args.markdown, "w") as fh:
+                fh.write(md)
     print(md)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(
-                {
-                    "device": device,
-                    "torch": torch.__version__,
-                    "date": datetime.date.today().isoformat(),
-                    "results": results,
-                },
-                fh,
-                indent=2,
-                default=str,
-            )
-    if args.markdown:
-        with open(args.markdown, "w") as fh:
-            fh.write(md)
-    return 0
+    return 0 if all("error" not in r for r in results) else 1
 
 
 if __name__ == "__main__":
