@@ -135,7 +135,7 @@ def train_step(model, x):
 
 
 gen = torch.Generator(device).manual_seed(1)
-for step in range(3):
+for step in range(2):
     # Megatron's layout: [sequence, batch, hidden].
     x = torch.randn(64, 16, hidden, device=device, generator=gen)
     assert config._cpu_offloading_context.inside_context is False
@@ -155,6 +155,6 @@ for step in range(3):
 
 linears = [m for m in block.modules() if isinstance(m, ParallelLinear)]
 # Each linear ran inside the context once per training step and once in evaluation.
-assert all(m.calls_inside_context == 4 for m in linears), [m.calls_inside_context for m in linears]
+assert all(m.calls_inside_context == 3 for m in linears), [m.calls_inside_context for m in linears]
 
 print(f"OK {os.path.basename(sys.argv[0])} {backend()}")

@@ -31,8 +31,8 @@ if device == "cuda":
     torch.use_deterministic_algorithms(True)
 torch.manual_seed(0)
 
-model_layers = 6
-num_layers = 3  # the first three layers are offloaded
+model_layers = 4
+num_layers = 2  # the first two layers are offloaded
 hidden = 512
 BY_HAND = 1  # this layer sets the attribute itself instead of calling the marker
 
@@ -84,7 +84,7 @@ def train_step(x, offload):
 
 
 gen = torch.Generator(device).manual_seed(1)
-inputs = [torch.randn(16, 64, hidden, device=device, generator=gen) for _ in range(3)]
+inputs = [torch.randn(16, 64, hidden, device=device, generator=gen) for _ in range(2)]
 for step, x in enumerate(inputs):
     loss, grads = train_step(x, offload=True)
     ref_loss, ref_grads = train_step(x, offload=False)

@@ -82,7 +82,7 @@ def train_step(m, params, x):
 
 offloaded_params = [p for layer in layers for p in layer.parameters()]
 plain_params = [p for layer in plain_layers for p in layer.parameters()]
-for step in range(3):
+for step in range(2):
     x = torch.randn(16, 64, hidden, device=device)
     loss, grads = train_step(model, offloaded_params, x)
     ref_loss, ref_grads = train_step(plain, plain_params, x)
