@@ -458,16 +458,6 @@ def test_megatron_offload_context_helper_matches_recipe_call(monkeypatch) -> Non
 # ---------------------------------------------------------------- known gaps in src/
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "V1 selection (_selection.is_marked_for_offload) looks only at the saved tensor and "
-        "its direct _base; a layer input that is itself a view (the commit function's output, "
-        "or nn.Linear's 3-D output) and is marked is saved by nn.Linear as a reshaped view "
-        "whose _base is the root tensor, so the mark is not seen and the input stays on the "
-        "device, although the comment there says Linear's reshaped input counts as marked"
-    ),
-)
 def test_v1_mark_on_commit_output_reaches_linears_saved_view(monkeypatch) -> None:
     monkeypatch.delenv("NVTE_CPU_OFFLOAD_V1", raising=False)
     ctx, commit = cpu_offload.v1.get_cpu_offload_context(True, 2, 3)

@@ -92,7 +92,15 @@ def mark_activation_offload(*tensors: torch.Tensor | None, offload: bool = True)
     if not isinstance(offload, bool):
         raise TypeError(f"offload must be a bool, got {type(offload).__name__}")
     if offload:
+        # Autograd often saves a different view of the same memory (nn.Linear saves its
+        # 3-D input reshaped to 2-D, whose base is the root tensor, not the marked view):
+        # the mark goes on the root too, so every view of the activation carries it.
         _set_mark(tensors, _ACTIVATION_ATTR, True)
+        _set_mark(
+            tuple(t._base for t in tensors if t is not None and t._base is not None),
+            _ACTIVATION_ATTR,
+            True,
+        )
     else:
         _set_mark(tensors, _SKIP_ATTR, True)
 

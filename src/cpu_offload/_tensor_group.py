@@ -19,6 +19,7 @@ never changed behind a kernel's back.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -42,6 +43,13 @@ class SavedEntry:
     ready: object | None
     seq: int
     force_base: bool = False
+    #: The tensor's version counter when it was saved: an in-place change after that
+    #: must still fail in backward, as it does without offloading.
+    version: int = 0
+    #: Keep on the device as it is (it was modified in place after it was saved).
+    keep: bool = False
+    #: After the device memory is released: the original, to detect later changes.
+    weak: weakref.ref[torch.Tensor] | None = None
 
 
 @dataclass
@@ -94,6 +102,12 @@ class GroupPlan:
 
     units: list[Unit] = field(default_factory=list)
     refs: list[_Ref] = field(default_factory=list)
+
+    def keep(self, index: int, tensor: torch.Tensor) -> None:
+        """Serve pushed id ``index`` from ``tensor`` itself instead of its units."""
+        for u in self.unit_ids(self.refs[index]):
+            self.units[u].pending_pops -= 1
+        self.refs[index] = _KeptRef(tensor)
 
     def unit_ids(self, ref: _Ref) -> list[int]:
         """The units ``ref`` is rebuilt from."""
@@ -175,6 +189,8 @@ class TensorGroupProcessor:
 
     def _flatten(self, tensor: torch.Tensor, entry: SavedEntry, leaves: list[_Leaf]) -> object:
         # A template mirrors the nesting of wrapper subclasses; ints are leaf indices.
+        if entry.keep:
+            return _KeptRef(tensor)
         if _is_wrapper(tensor):
             names, ctx = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
             inner = {n: self._flatten(getattr(tensor, n), entry, leaves) for n in names}
@@ -185,6 +201,8 @@ class TensorGroupProcessor:
     def _resolve(self, template: object, leaf_refs: dict[int, _Ref], alias: list[int]) -> _Ref:
         if isinstance(template, int):
             return leaf_refs[alias[template]]
+        if isinstance(template, _KeptRef):
+            return template
         assert isinstance(template, tuple)
         cls, ctx, size, stride, inner = template
         return _SubclassRef(

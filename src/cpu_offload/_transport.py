@@ -56,7 +56,7 @@ class TensorLayout:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def is_dense(tensor: torch.Tensor) -> bool:
@@ -97,14 +97,30 @@ class HostBufferPool:
         #: Bytes of host memory owned by the pool, free or in use.
         self.allocated_bytes = 0
 
+    @staticmethod
+    def size_class(nbytes: int) -> int:
+        """The buffer size that serves a request of ``nbytes``.
+
+        Powers of two up to 1 MiB, then steps of an eighth of the power of two below:
+        at most 12.5% is wasted, and a workload whose shapes vary (sequence lengths)
+        reuses a bounded number of buffer sizes instead of one per shape.
+        """
+        if nbytes <= 512:
+            return 512
+        if nbytes <= 1 << 20:
+            return 1 << (nbytes - 1).bit_length()
+        step = (1 << (nbytes.bit_length() - 1)) // 8
+        return -(-nbytes // step) * step
+
     def acquire(self, nbytes: int) -> torch.Tensor:
-        """A buffer of exactly ``nbytes`` bytes, reused if one is free."""
-        bucket = self._free.get(nbytes)
+        """A buffer of at least ``nbytes`` bytes (its size class), reused if one is free."""
+        size = self.size_class(nbytes)
+        bucket = self._free.get(size)
         if bucket:
             return bucket.pop()
         self.allocations += 1
-        self.allocated_bytes += nbytes
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+        self.allocated_bytes += size
+        return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin_memory)
 
     def release(self, buffer: torch.Tensor) -> None:
         """Give a buffer back for reuse."""

@@ -42,6 +42,7 @@ class OffloadContext:
         self.offload_synchronizer = synchronizer
         self.inside_context = False
         self.awaiting_sync = False  # a layer ran and sync_function has not been called
+        self._refused = False  # the last __enter__ was refused for a missing sync
         self.layer_id: int | None = None
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
 
@@ -54,14 +55,23 @@ class OffloadContext:
         if self.inside_context:
             raise RuntimeError("the CPU offload context is already entered (nested `with`)")
         if self.awaiting_sync:
-            raise RuntimeError(
-                "the CPU offload context was entered twice without sync_function in "
-                f"between: call x = sync_function(x) on layer {self.layer_id}'s output "
-                "after its `with` block"
-            )
+            if not self._refused:
+                # Refused once; calling sync_function continues this iteration, while
+                # entering again gives it up (a forward restarted after an exception
+                # between a layer's block and its sync must not stay blocked).
+                self._refused = True
+                raise RuntimeError(
+                    "the CPU offload context was entered twice without sync_function in "
+                    f"between: call x = sync_function(x) on layer {self.layer_id}'s output "
+                    "after its `with` block (entering again starts a new iteration)"
+                )
+            self.awaiting_sync = False
+            self._refused = False
+            self.offload_synchronizer.start_new_iteration()
         if not torch.is_grad_enabled():
             # Nothing is saved for backward: no layer is counted (evaluation loops).
             self.inside_context = True
+            push_active(self)
             return self
         sync = self.offload_synchronizer
         try:
@@ -86,10 +96,10 @@ class OffloadContext:
         tb: TracebackType | None,
     ) -> None:
         self.inside_context = False
+        pop_active(self)
         hooks, self._hooks = self._hooks, None
         if hooks is None:  # the grad-disabled pass-through
             return
-        pop_active(self)
         hooks.__exit__(exc_type, exc, tb)
         if exc_type is not None:
             # A failed layer (out of memory, say) ends the iteration: its buffers go,
@@ -147,6 +157,7 @@ class SyncFunction:
         assert out.grad_fn is not None
         out.grad_fn.register_prehook(_BackwardStart(ctx.offload_synchronizer, ctx.layer_id))
         ctx.awaiting_sync = False
+        ctx._refused = False
         return out
 
 

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import enum
+import weakref
 from collections.abc import Callable, Iterable
 
 import torch
 
+from .._compat import is_current_stream_capturing, pinned_alloc_in_capture_supported
 from .._tensor_group import GroupPlan, SavedEntry, TensorGroupProcessor, Unit
-from .._transport import HostBufferPool, TensorLayout, Transport, default_transport
+from .._transport import (
+    CudaTransport,
+    HostBufferPool,
+    TensorLayout,
+    Transport,
+    default_transport,
+)
 
 __all__ = ["LayerPhase", "OffloadableLayerState"]
 
@@ -72,6 +80,8 @@ class OffloadableLayerState:
         self._entries: list[SavedEntry] = []
         self._plan: GroupPlan | None = None
         self._retained: list[torch.Tensor] = []  # host buffers kept across iterations
+        self._retained_sizes: list[int] = []
+        self._captured: list[torch.Tensor] = []  # host buffers a captured graph uses
         self._seq = 0
 
     # -- bookkeeping -----------------------------------------------------------------
@@ -106,7 +116,9 @@ class OffloadableLayerState:
         if not self.policy(tensor):
             return tensor
         self._seq += 1
-        self._entries.append(SavedEntry(tensor, self.transport.record(), self._seq, force_base))
+        self._entries.append(
+            SavedEntry(tensor, self.transport.record(), self._seq, force_base, tensor._version)
+        )
         return len(self._entries) - 1
 
     def mark_ready(self, tensors: Iterable[torch.Tensor], offload_base_tensor: bool) -> None:
@@ -132,22 +144,51 @@ class OffloadableLayerState:
             RuntimeError: In the wrong state, or when retained buffers no longer fit.
         """
         self._expect("start_offload", LayerPhase.NOT_OFFLOADED)
+        for entry in self._entries:
+            # Modified in place since it was saved: backward must fail as without offloading.
+            entry.keep = entry.tensor._version != entry.version
         plan = self.processor.process(self._entries)
         buffers = self._host_buffers(plan.units)
+        # Known before any copy is queued, so that a failure part-way through is cleaned
+        # up by release_all_memory (which waits for the copies already queued).
+        self._plan = plan
+        self.phase = LayerPhase.OFFLOAD_STARTED
         for unit, buf in zip(plan.units, buffers, strict=True):
             unit.host = buf
             assert unit.tensor is not None
             dst = HostBufferPool.view(buf, unit.layout)
             unit.copied = self.transport.offload(unit.tensor, unit.ready, dst)
-        self._plan = plan
-        self.phase = LayerPhase.OFFLOAD_STARTED
 
     def _host_buffers(self, units: list[Unit]) -> list[torch.Tensor]:
+        pool = self.transport.pool
+        capturing = isinstance(self.transport, CudaTransport) and is_current_stream_capturing()
         if not self.retain_pinned_cpu_buffers:
-            return [self.transport.pool.acquire(u.nbytes) for u in units]
+            buffers = [pool.acquire(u.nbytes) for u in units]
+            if capturing:
+                # A captured graph copies to these addresses at every replay: they belong
+                # to it from now on, and never go back to the pool for other work.
+                self._captured.extend(buffers)
+            return buffers
+        wanted = [u.nbytes for u in units]
         if not self._retained:
-            self._retained = [self.transport.pool.acquire(u.nbytes) for u in units]
+            if capturing and not pinned_alloc_in_capture_supported():
+                raise RuntimeError(
+                    f"{self.name} has no retained host buffers yet: with "
+                    "retain_pinned_cpu_buffers=True, run one eager (warm-up) iteration before "
+                    "capturing a CUDA graph, so that the buffers exist before the capture "
+                    "(PyTorch < 2.11 cannot allocate pinned memory during capture)"
+                )
+            self._retained = [pool.acquire(n) for n in wanted]
+            self._retained_sizes = wanted
             return self._retained
+        if wanted != self._retained_sizes:
+            raise RuntimeError(
+                f"retain_pinned_cpu_buffers=True needs the same saved tensors every "
+                f"iteration, but {self.name} now saves blocks of {wanted} bytes where its "
+                f"retained host buffers hold {self._retained_sizes} bytes. Keep shapes fixed, "
+                "or create the offload context with retain_pinned_cpu_buffers=False."
+            )
+        return self._retained
         wanted = [u.nbytes for u in units]
         have = [b.numel() for b in self._retained]
         if wanted != have:
@@ -171,7 +212,13 @@ class OffloadableLayerState:
             self.transport.wait(unit.copied)
             unit.tensor = None
         # The pushed entries are the last references to the offloaded device memory.
-        for entry in self._entries:
+        for i, entry in enumerate(self._entries):
+            if entry.tensor._version != entry.version:
+                # Changed in place while its copy ran: keep it, so backward fails as
+                # it would without offloading instead of using either version.
+                self._plan.keep(i, entry.tensor)
+                continue
+            entry.weak = weakref.ref(entry.tensor)
             entry.tensor = None  # type: ignore[assignment]
         self.phase = LayerPhase.OFFLOAD_FINISHED
 
@@ -220,6 +267,7 @@ class OffloadableLayerState:
                 f"{self.name} holds no saved tensor {tensor_or_id}: its memory was released "
                 "(a new iteration started, or backward ran twice over the same graph)"
             )
+        self._check_version(tensor_or_id)
         if self.phase is LayerPhase.NOT_OFFLOADED:
             return self._entries[tensor_or_id].tensor
         assert self._plan is not None
@@ -244,6 +292,17 @@ class OffloadableLayerState:
                 # memory goes as soon as the layer's backward is done with it.
                 unit.reloaded = None
         return out
+
+    def _check_version(self, index: int) -> None:
+        entry = self._entries[index]
+        original = entry.tensor if entry.tensor is not None else (entry.weak and entry.weak())
+        if original is not None and original._version != entry.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by "
+                f"an inplace operation: a tensor of shape {tuple(original.shape)} saved for "
+                f"backward in {self.name} is at version {original._version}; expected version "
+                f"{entry.version} instead (PyTorch raises this without offloading too)"
+            )
 
     def wait_for_reloads(self) -> None:
         """Make the current stream wait for every reload copy still outstanding.
@@ -270,7 +329,11 @@ class OffloadableLayerState:
                     self.transport.wait(unit.copied)
                 if unit.restored is not None and not unit.waited:
                     self.transport.wait(unit.restored)
-                if unit.host is not None and not self.retain_pinned_cpu_buffers:
+                if (
+                    unit.host is not None
+                    and not self.retain_pinned_cpu_buffers
+                    and not any(unit.host is b for b in self._captured)
+                ):
                     self.transport.pool.release(unit.host)
                 unit.host = unit.tensor = unit.reloaded = None
         self._plan = None

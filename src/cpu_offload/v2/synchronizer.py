@@ -13,12 +13,19 @@ from dataclasses import dataclass
 
 import torch
 
+from .._args import check_bool, check_int
 from .._compat import capture_buffer_policy, is_current_stream_capturing, queue_backward_callback
 from .._tensor_group import TensorGroupProcessor
 from .._transport import CudaTransport, Transport, default_transport
 from .._warn import warn_at_caller
 from .layer_state import LayerPhase, OffloadableLayerState
-from .schedule import Point, Schedule, SyncDict, default_synchronization_dict
+from .schedule import (
+    Point,
+    Schedule,
+    SyncDict,
+    default_synchronization_dict,
+    validate_synchronization_dict,
+)
 
 __all__ = [
     "DefaultOffloadSynchronizer",
@@ -60,12 +67,14 @@ class OffloadSynchronizer:
         transport: Transport | None = None,
         policy: Callable[[torch.Tensor], bool] | None = None,
     ) -> None:
-        if isinstance(num_layers, bool) or not isinstance(num_layers, int):
-            raise TypeError(f"num_layers must be an int, got {type(num_layers).__name__}")
-        if num_layers < 1:
+        if check_int("num_layers", num_layers) < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
-        if not isinstance(retain_pinned_cpu_buffers, bool):
-            raise TypeError("retain_pinned_cpu_buffers must be a bool")
+        check_bool("retain_pinned_cpu_buffers", retain_pinned_cpu_buffers)
+        if transport is not None and offload_stream is not None:
+            raise ValueError(
+                "offload_stream and transport exclude each other: give the stream to the "
+                "transport (CudaTransport(stream)) or pass only offload_stream"
+            )
         self.num_layers = num_layers
         self.retain_pinned_cpu_buffers = retain_pinned_cpu_buffers
         self.transport = transport if transport is not None else default_transport(offload_stream)
@@ -86,6 +95,7 @@ class OffloadSynchronizer:
         self._forwards = 0  # forwards begun in this iteration
         self._backward_layers: list[int] = []  # layers whose backward began in this part
         self._callback_queued = False
+        self._backward_seen = False  # a backward began since this iteration's forwards
         self._warned_on_demand = False
 
     # -- the step protocol -------------------------------------------------------------
@@ -93,8 +103,8 @@ class OffloadSynchronizer:
     def fwd_step(self) -> int:
         """Call before each layer's forward. Returns the layer id.
 
-        After ``num_layers`` forwards the next call starts a new iteration and releases
-        every layer's memory first.
+        After ``num_layers`` forwards, or once a backward has begun, the next call starts
+        a new iteration and releases every layer's memory first.
 
         Raises:
             RuntimeError: When a CUDA graph is being captured below PyTorch 2.11 and
@@ -102,7 +112,7 @@ class OffloadSynchronizer:
         """
         if isinstance(self.transport, CudaTransport):
             capture_buffer_policy(self.retain_pinned_cpu_buffers, is_current_stream_capturing())
-        if self._forwards == self.num_layers:
+        if self._forwards == self.num_layers or self._backward_seen:
             self.start_new_iteration()
         layer = self._forwards
         if self.current_layer is not None:
@@ -113,7 +123,17 @@ class OffloadSynchronizer:
         return layer
 
     def bwd_step(self, layer_id: int) -> None:
-        """Call when ``layer_id``'s backward is about to start."""
+        """Call when ``layer_id``'s backward is about to start.
+
+        Raises:
+            ValueError: In the default schedule, when the first backward of an iteration
+                begins after a number of forwards other than ``num_layers`` (a wrong
+                ``model_layers``, or a forward cut short by an exception outside the
+                offload context); the iteration is released first.
+        """
+        if not self._backward_seen:
+            self._backward_seen = True
+            self._check_forward_count()
         if self.current_layer is not None:
             # The forward pass is over: the last layer's forward has ended.
             self._on_forward_end(self.current_layer)
@@ -148,6 +168,9 @@ class OffloadSynchronizer:
         for layer in self.layers:
             layer.release_all_memory()
         self._forwards = 0
+        self._backward_seen = False
+        # A backward that raised never ran its queued callback: forget it.
+        self._callback_queued = False
         self.current_layer = None
         self._backward_layers.clear()
 
@@ -209,6 +232,9 @@ class OffloadSynchronizer:
     def _pushes_to(self, layer_id: int) -> bool:
         return True
 
+    def _check_forward_count(self) -> None:
+        """Called at the first backward of an iteration; the default schedule checks it."""
+
     def _on_forward_start(self, layer_id: int) -> None:
         """Work due when ``layer_id``'s forward begins."""
 
@@ -254,12 +280,26 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
         )
         if synchronization_dict is None:
             k = num_layers - 1 if num_offloaded_layers is None else num_offloaded_layers
-            if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < num_layers:
+            check_int("num_offloaded_layers", k)
+            if not 0 <= k < num_layers:
                 raise ValueError(
-                    f"num_offloaded_layers must be an int in [0, {num_layers - 1}], got {k!r}"
+                    f"num_offloaded_layers must be in [0, num_layers - 1] = [0, {num_layers - 1}], "
+                    f"got {k}"
                 )
             synchronization_dict = default_synchronization_dict(k, num_layers)
-        self.schedule = Schedule(synchronization_dict)
+        self.schedule = Schedule(validate_synchronization_dict(synchronization_dict, num_layers))
+
+    def _check_forward_count(self) -> None:
+        if self._forwards == self.num_layers:
+            return
+        ran = self._forwards
+        self.start_new_iteration()
+        raise ValueError(
+            f"backward began after {ran} layer forwards under the CPU offload context, but "
+            f"model_layers={self.num_layers}: pass the number of layers that run under the "
+            "context in one iteration (or, if a forward was cut short by an exception "
+            "outside the context, skip that batch's backward)"
+        )
 
     def _pushes_to(self, layer_id: int) -> bool:
         return layer_id in self.schedule.offloaded

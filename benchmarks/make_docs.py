@@ -1,0 +1,84 @@
+"""Assemble ``docs/benchmarks.md`` from the outputs of the two benchmarks.
+
+    python benchmarks/activation_offload.py --markdown activation.md --json activation.json
+    python benchmarks/optimizer_offload.py > optimizer.md
+    python benchmarks/make_docs.py --activation activation.md --optimizer optimizer.md
+
+Each input already carries its date, device and PyTorch version; this script adds the
+commands and the reading guide around them, so that the page is always regenerated from
+measurements rather than edited by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+HEADER = """# Benchmarks
+
+All figures on this page were measured by the scripts in `benchmarks/`, every variant of a
+table in one process, on the same layers and batch, one after the other; ratios are
+against the no-offloading run of the same table. Regenerate the page on your machine with:
+
+```
+python benchmarks/activation_offload.py --markdown activation.md --json activation.json
+python benchmarks/optimizer_offload.py > optimizer.md
+python benchmarks/make_docs.py --activation activation.md --optimizer optimizer.md
+```
+
+## Activation offloading (workloads A and B)
+
+GPT-style blocks (LayerNorm, qkv projection, causal SDPA, projection, LayerNorm, 4h MLP
+with GELU) in bf16. A: h=4096, 32 heads, batch 2, sequence 4096, 16 layers. B: h=2048, 16
+heads, batch 4, sequence 2048, 24 layers. k layers are offloaded (V2, V1) or
+checkpointed / saved with `save_on_cpu` (the first k in every case).
+
+How to read the tables:
+
+- *peak MiB* is the largest `torch.cuda.max_memory_allocated` above the start of the step,
+  with the gradients already allocated (as with `zero_grad(set_to_none=False)`), so it is
+  the activation peak of each variant.
+- *D2H / H2D GB/s* is the bandwidth of the offload and reload copies, from CUDA events
+  around each copy; the pinned-copy line above each table is a plain 256 MiB copy
+  measured in the same run.
+- *stall ms* is the time the compute stream waited for copies in one step.
+- The *transfer-bound floor* is the step time the default schedule reaches with this
+  run's per-layer compute times and link bandwidth, from the timeline model
+  `cpu_offload.compare.simulate`: no schedule of this kind can do better, and V2 should be
+  within 3% of it.
+- *reference x none* are the ratios measured before this package existed, on an H100
+  PCIe (SPEC), for `torch.utils.checkpoint`, `torch.autograd.graph.save_on_cpu` and
+  torchtune's `OffloadActivations` (not run here).
+- `v1-async-db` is V1's asynchronous handler with double buffering.
+
+"""
+
+OPTIMIZER = """
+## Optimizer offloading (workload C)
+
+`HybridDeviceOptimizer` against Megatron's reference ratios (SPEC section 7, measured on
+an H100 80GB HBM3 with 16 host cores). "fp32 back" rows copy the updated fp32 master
+weights back and narrow them on the GPU; the other rows narrow on the host and copy bf16.
+
+"""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--activation", required=True, help="markdown from activation_offload.py")
+    parser.add_argument("--optimizer", help="markdown printed by optimizer_offload.py")
+    parser.add_argument("--out", default=str(Path(__file__).parent.parent / "docs/benchmarks.md"))
+    args = parser.parse_args()
+    text = HEADER + Path(args.activation).read_text().strip() + "\n"
+    if args.optimizer:
+        body = Path(args.optimizer).read_text()
+        # The optimizer benchmark's own title is replaced by this page's section title.
+        body = "\n".join(line for line in body.splitlines() if not line.startswith("# "))
+        text += OPTIMIZER + body.strip() + "\n"
+    Path(args.out).write_text(text)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
