@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-__all__ = ["check_bool", "check_int"]
+from ._warn import warn_at_caller
+
+__all__ = ["check_bool", "check_int", "activations_requested"]
 
 
 def check_bool(name: str, value: object) -> bool:
@@ -17,3 +19,26 @@ def check_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     return value
+
+
+def activations_requested(offload_activations: bool, offload_weights: bool) -> bool:
+    """Apply the legacy ``offload_activations`` / ``offload_weights`` flags (both backends).
+
+    Returns:
+        True if activations are to be offloaded; False if only weights were asked for,
+        in which case the caller returns its disabled pair.
+
+    Raises:
+        ValueError: If neither is asked for: nothing to offload.
+    """
+    if offload_weights:
+        warn_at_caller(
+            "offload_weights=True is deprecated and has no effect: weights are never offloaded",
+            DeprecationWarning,
+        )
+    if not offload_activations and not offload_weights:
+        raise ValueError(
+            "nothing to offload: offload_activations=False and offload_weights=False; "
+            "set offload_activations=True (or enabled=False)"
+        )
+    return offload_activations

@@ -9,11 +9,10 @@ from typing import Any
 
 import torch
 
-from .._args import check_bool, check_int
+from .._args import activations_requested, check_bool, check_int
 from .._selection import is_marked_for_offload
 from .._state import pop_active, push_active
 from .._transport import Transport
-from .._warn import warn_at_caller
 from .handlers import AsyncDoubleBufferGroupOffloadHandler, OffloadHandler
 
 __all__ = [
@@ -207,17 +206,7 @@ def get_cpu_offload_context(
     check_int("model_layers", model_layers)
     if not enabled:
         return contextlib.nullcontext(), _commit_disabled
-    if offload_weights:
-        warn_at_caller(
-            "offload_weights=True is deprecated and has no effect: weights are never offloaded",
-            DeprecationWarning,
-        )
-    if not offload_activations:
-        if not offload_weights:
-            raise ValueError(
-                "nothing to offload: offload_activations=False and offload_weights=False; "
-                "set offload_activations=True (or enabled=False)"
-            )
+    if not activations_requested(offload_activations, offload_weights):
         return contextlib.nullcontext(), _commit_disabled
     if model_layers < 1:
         raise ValueError(f"model_layers must be >= 1, got {model_layers}")

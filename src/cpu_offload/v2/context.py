@@ -8,11 +8,10 @@ from typing import Any
 
 import torch
 
-from .._args import check_bool, check_int
+from .._args import activations_requested, check_bool, check_int
 from .._selection import ActivationPolicy
 from .._state import active_context, pop_active, push_active
 from .._transport import Transport, default_transport
-from .._warn import warn_at_caller
 from .schedule import (
     check_layer_counts,
     default_synchronization_dict,
@@ -258,17 +257,7 @@ def get_cpu_offload_context(
     if not enabled:
         return disabled  # type: ignore[return-value]
 
-    if offload_weights:
-        warn_at_caller(
-            "offload_weights=True is deprecated and has no effect: weights are never offloaded",
-            DeprecationWarning,
-        )
-    if not offload_activations:
-        if not offload_weights:
-            raise ValueError(
-                "nothing to offload: offload_activations=False and offload_weights=False; "
-                "set offload_activations=True (or enabled=False)"
-            )
+    if not activations_requested(offload_activations, offload_weights):
         return disabled  # type: ignore[return-value]
 
     if model_layers < 1:
