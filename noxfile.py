@@ -68,7 +68,7 @@ def tests(session: nox.Session, torch: str) -> None:
         _run_pytest(session, entry, row)
 
 
-@nox.session(python=PYTHON)
+@nox.session(python=PYTHON, tags=["ci"])
 def lint(session: nox.Session) -> None:
     """ruff: lint and formatting."""
     session.install("ruff")
@@ -76,7 +76,7 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "format", "--check", ".")
 
 
-@nox.session(python=PYTHON)
+@nox.session(python=PYTHON, tags=["ci"])
 def typecheck(session: nox.Session) -> None:
     """mypy on the package (configured in pyproject.toml), with the local torch wheel."""
     entry = matrix.entry("2.13.0")

@@ -163,7 +163,9 @@ def test_no_warning_for_one_layer_model():
 
 
 def test_default_synchronizer_rejects_bad_k():
-    with pytest.raises(ValueError, match=r"num_offloaded_layers must be in \[0, num_layers - 1\] = \[0, 3\]"):
+    with pytest.raises(
+        ValueError, match=r"num_offloaded_layers must be in \[0, num_layers - 1\] = \[0, 3\]"
+    ):
         DefaultOffloadSynchronizer(4, 4, transport=HostTransport())
     with pytest.raises(ValueError, match="num_offloaded_layers"):
         DefaultOffloadSynchronizer(4, -1, transport=HostTransport())
