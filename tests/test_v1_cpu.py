@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import assert_bit_equal, step
+from helpers import assert_bit_equal, step, top_saved_tensor_hooks
 from torch import nn
 
 import cpu_offload
@@ -134,7 +134,7 @@ def test_exception_inside_the_context_then_exact():
                     raise ZeroDivisionError
             x = commit(x)
     del x
-    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert top_saved_tensor_hooks() is None
     assert not is_cpu_offload_enabled() and not ctx.inside_context
     assert_bit_equal(ref, step(layers, _make, ctx, commit))
 
@@ -295,7 +295,7 @@ def test_saved_tensor_hook_base_is_abstract():
             a.exp()
     assert not hook.inside_context
     assert not is_cpu_offload_enabled()
-    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert top_saved_tensor_hooks() is None
     with pytest.raises(NotImplementedError, match="on_get_saved_tensor"):
         hook.on_get_saved_tensor(None)
 

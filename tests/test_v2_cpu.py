@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import assert_bit_equal, step
+from helpers import assert_bit_equal, step, top_saved_tensor_hooks
 
 from cpu_offload import (
     HostTransport,
@@ -48,11 +48,7 @@ def _ctx(k: int = 1, n: int = N, **kwargs):
 
 
 def _top_hooks():
-    """The innermost saved-tensor hooks pushed now, or None."""
-    try:
-        return torch._C._autograd._top_saved_tensors_default_hooks(False)
-    except (AttributeError, TypeError):  # pragma: no cover - older or newer torch
-        pytest.skip("cannot inspect the saved-tensor hook stack on this torch")
+    return top_saved_tensor_hooks()
 
 
 _MODELS: dict[str, tuple] = {}

@@ -213,9 +213,10 @@ def _timeline(rec: _Recorder, variant: Variant) -> tuple[list[Span], list[tuple[
             spans.append(
                 Span(
                     span.kind,
-                    f"{span.nbytes >> 20} MiB",
+                    f"{span.nbytes / 2**20:.0f} MiB",
                     rec.elapsed(start, span.start),
                     rec.elapsed(start, span.end),
+                    span.nbytes,
                 )
             )
     return spans, memory
@@ -407,7 +408,12 @@ def run_compare(
         for i in range(config.steps):
             steps.append(_one_step(variant, layers, make_input, record=False, keep_grads=i == 0))
         moved = sum(t.bytes_offloaded for t in variant.transports) - before
-        timed = _one_step(variant, layers, make_input, record=True)
+        # Copy bandwidth and stalls from a few recorded steps (medians): one step's
+        # copies are too few to measure a link shared with other work.
+        recorded = [
+            _one_step(variant, layers, make_input, record=True) for _ in range(3 if cuda else 1)
+        ]
+        timed = recorded[-1]
         loss_diff, grad_diff = _diffs(steps[0], ref)
         steps[0].grads.clear()
         result = VariantResult(
@@ -422,11 +428,11 @@ def run_compare(
             memory=timed.memory,
         )
         if cuda and variant.transports:
-            _copy_figures(result, timed.spans)
+            _copy_figures(result, [r.spans for r in recorded])
         results.append(result)
         # The next variant starts from the same memory: drop this one's buffers (its
         # hooks and handlers hold reference cycles) before measuring the next peak.
-        del variant, steps, timed
+        del variant, steps, timed, recorded
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
@@ -467,14 +473,22 @@ def run_compare(
     return report
 
 
-def _copy_figures(result: VariantResult, spans: list[Span]) -> None:
-    for lane, attr in (("offload", "offload_gbps"), ("reload", "reload_gbps")):
+def _copy_figures(result: VariantResult, steps: list[list[Span]]) -> None:
+    """Median over ``steps`` of the offload and reload bandwidth and of the stall time."""
+
+    def bandwidth(spans: list[Span], lane: str) -> float | None:
         copies = [s for s in spans if s.lane == lane]
         busy = sum(s.end_ms - s.start_ms for s in copies)
-        nbytes = sum(int(s.label.split()[0]) << 20 for s in copies)
-        if busy > 0:
-            setattr(result, attr, nbytes / busy / 1e6)
-    result.stall_ms = sum(s.end_ms - s.start_ms for s in spans if s.lane == "stall")
+        nbytes = sum(s.nbytes for s in copies)
+        return nbytes / busy / 1e6 if busy > 0 else None
+
+    for lane, attr in (("offload", "offload_gbps"), ("reload", "reload_gbps")):
+        values = [v for v in (bandwidth(spans, lane) for spans in steps) if v is not None]
+        if values:
+            setattr(result, attr, statistics.median(values))
+    result.stall_ms = statistics.median(
+        sum(s.end_ms - s.start_ms for s in spans if s.lane == "stall") for spans in steps
+    )
 
 
 def _profiles(

@@ -39,6 +39,7 @@ class Span:
     label: str
     start_ms: float
     end_ms: float
+    nbytes: int = 0  # bytes moved, on the copy lanes
 
 
 @dataclass
@@ -97,7 +98,7 @@ class _Sim:
         per_byte = self.d2h_ms_per_byte if lane == "offload" else self.h2d_ms_per_byte
         start = max(free_at, earliest)
         end = max(start + nbytes * per_byte, not_before_end)
-        self.spans.append(Span(lane, label, start, end))
+        self.spans.append(Span(lane, label, start, end, nbytes))
         return end
 
 
