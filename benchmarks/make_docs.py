@@ -23,8 +23,14 @@ against the no-offloading run of the same table. Regenerate the page on your mac
 ```
 python benchmarks/activation_offload.py --markdown activation.md --json activation.json
 python benchmarks/optimizer_offload.py > optimizer.md
-python benchmarks/make_docs.py --activation activation.md --optimizer optimizer.md
+cpu-offload compare --plot docs/compare-timeline.png > compare.txt
+python benchmarks/make_docs.py --activation activation.md --optimizer optimizer.md \
+    --compare compare.txt --compare-plot compare-timeline.png
 ```
+
+Step times vary from run to run by a few percent on the same machine (the copies share
+the PCIe link and host memory with everything else); compare ratios within one table,
+not across tables.
 
 ## Activation offloading (workloads A and B)
 
@@ -53,6 +59,15 @@ How to read the tables:
 
 """
 
+COMPARE = """
+## The comparison tool's default model
+
+`cpu-offload compare` with its defaults on the GPU (GPT blocks, h=2048, 16 heads, sequence
+2048, batch 2, 8 layers, 2 offloaded, bf16, deterministic kernels): a model small enough
+that per-layer overheads show. The output as printed:
+
+"""
+
 OPTIMIZER = """
 ## Optimizer offloading (workload C)
 
@@ -67,9 +82,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--activation", required=True, help="markdown from activation_offload.py")
     parser.add_argument("--optimizer", help="markdown printed by optimizer_offload.py")
+    parser.add_argument("--compare", help="text printed by cpu-offload compare")
+    parser.add_argument("--compare-plot", help="its --plot picture, relative to docs/")
     parser.add_argument("--out", default=str(Path(__file__).parent.parent / "docs/benchmarks.md"))
     args = parser.parse_args()
     text = HEADER + Path(args.activation).read_text().strip() + "\n"
+    if args.compare:
+        table = Path(args.compare).read_text().strip()
+        text += COMPARE + "```\n" + table + "\n```\n"
+        if args.compare_plot:
+            text += f"\n![timeline of one step]({args.compare_plot})\n"
     if args.optimizer:
         body = Path(args.optimizer).read_text()
         # The optimizer benchmark's own title is replaced by this page's section title.
