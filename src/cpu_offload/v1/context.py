@@ -11,7 +11,7 @@ import torch
 
 from .._args import activations_requested, check_bool, check_int
 from .._selection import is_marked_for_offload
-from .._state import pop_active, push_active
+from .._state import ActiveHooks
 from .._transport import Transport
 from .handlers import AsyncDoubleBufferGroupOffloadHandler, OffloadHandler
 
@@ -36,7 +36,7 @@ class CpuOffloadSavedTensorHook:
 
     def __init__(self) -> None:
         self.inside_context = False
-        self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+        self._hooks: ActiveHooks | None = None
 
     def on_save_for_backward(self, tensor: torch.Tensor) -> Any:
         """Called with each tensor saved for backward."""
@@ -59,13 +59,9 @@ class CpuOffloadSavedTensorHook:
     def __enter__(self) -> CpuOffloadSavedTensorHook:
         if self.inside_context:
             raise RuntimeError("the CPU offload context is already entered (nested `with`)")
-        hooks = torch.autograd.graph.saved_tensors_hooks(
-            self.on_save_for_backward, self.on_get_saved_tensor
-        )
-        hooks.__enter__()
-        self._hooks = hooks
+        self._hooks = ActiveHooks(self, self.on_save_for_backward, self.on_get_saved_tensor)
+        self._hooks.__enter__()
         self.inside_context = True
-        push_active(self)
         return self
 
     def __exit__(
@@ -78,7 +74,6 @@ class CpuOffloadSavedTensorHook:
         hooks, self._hooks = self._hooks, None
         if hooks is None:
             return
-        pop_active(self)
         hooks.__exit__(exc_type, exc, tb)
         if exc_type is not None:
             self._abort()

@@ -10,7 +10,7 @@ import torch
 
 from .._args import activations_requested, check_bool, check_int
 from .._selection import ActivationPolicy
-from .._state import active_context, pop_active, push_active
+from .._state import ActiveHooks, active_context
 from .._transport import Transport, default_transport
 from .schedule import (
     check_layer_counts,
@@ -43,7 +43,7 @@ class OffloadContext:
         self.awaiting_sync = False  # a layer ran and sync_function has not been called
         self._refused = False  # the last __enter__ was refused for a missing sync
         self.layer_id: int | None = None
-        self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+        self._hooks: ActiveHooks | None = None
 
     def is_current_layer_offloaded(self) -> bool:
         return self.layer_id is not None and self.offload_synchronizer.is_layer_offloaded(
@@ -69,8 +69,9 @@ class OffloadContext:
             self.offload_synchronizer.start_new_iteration()
         if not torch.is_grad_enabled():
             # Nothing is saved for backward: no layer is counted (evaluation loops).
+            self._hooks = ActiveHooks(self)
+            self._hooks.__enter__()
             self.inside_context = True
-            push_active(self)
             return self
         sync = self.offload_synchronizer
         try:
@@ -79,13 +80,12 @@ class OffloadContext:
             # Leave nothing behind: the next forward starts a fresh iteration at layer 0.
             sync.start_new_iteration()
             raise
-        hooks = torch.autograd.graph.saved_tensors_hooks(sync.push_tensor, sync.pop_tensor)
+        hooks = ActiveHooks(self, sync.push_tensor, sync.pop_tensor)
         hooks.__enter__()  # last step: nothing after it can fail
         self._hooks = hooks
         self.layer_id = layer
         self.awaiting_sync = True
         self.inside_context = True
-        push_active(self)
         return self
 
     def __exit__(
@@ -95,12 +95,11 @@ class OffloadContext:
         tb: TracebackType | None,
     ) -> None:
         self.inside_context = False
-        pop_active(self)
         hooks, self._hooks = self._hooks, None
-        if hooks is None:  # the grad-disabled pass-through
+        if hooks is None:
             return
         hooks.__exit__(exc_type, exc, tb)
-        if exc_type is not None:
+        if exc_type is not None and hooks.has_hooks:
             # A failed layer (out of memory, say) ends the iteration: its buffers go,
             # and training that skips the batch continues exactly.
             self.awaiting_sync = False
