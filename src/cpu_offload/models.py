@@ -50,7 +50,7 @@ class GPTBlock(nn.Module):
 
 
 class _MHABlock(nn.Module):
-    """``nn.MultiheadAttention`` with a residual, returning attention weights' gradients too."""
+    """``nn.MultiheadAttention`` (attention weights computed, as in training) with a residual."""
 
     def __init__(self, hidden: int, heads: int) -> None:
         super().__init__()
