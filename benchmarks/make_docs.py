@@ -53,7 +53,7 @@ How to read the tables:
   `cpu_offload.compare.simulate`: no schedule of this kind can do better, and V2 should be
   within 3% of it.
 - *reference x none* are the ratios measured before this package existed, on an H100
-  PCIe (SPEC), for `torch.utils.checkpoint`, `torch.autograd.graph.save_on_cpu` and
+  PCIe before this package existed, for `torch.utils.checkpoint`, `torch.autograd.graph.save_on_cpu` and
   torchtune's `OffloadActivations` (not run here).
 - `v1-async-db` is V1's asynchronous handler with double buffering.
 
@@ -71,7 +71,7 @@ that per-layer overheads show. The output as printed:
 OPTIMIZER = """
 ## Optimizer offloading (workload C)
 
-`HybridDeviceOptimizer` against Megatron's reference ratios (SPEC section 7, measured on
+`HybridDeviceOptimizer` against Megatron's reference ratios (Megatron's HybridDeviceOptimizer, measured on
 an H100 80GB HBM3 with 16 host cores). "fp32 back" rows copy the updated fp32 master
 weights back and narrow them on the GPU; the other rows narrow on the host and copy bf16.
 
