@@ -140,8 +140,10 @@ def test_flags_must_be_bool(name: str) -> None:
 
 
 def test_our_keywords_checked() -> None:
-    with pytest.raises(ValueError, match="param_copy_dtype"):
+    with pytest.raises(ValueError, match="param_copy_dtype must be 'master' or 'param'"):
         HybridDeviceOptimizer(_model().parameters(), param_copy_dtype="fp32")
+    with pytest.raises(ValueError, match="grad_copy_dtype must be 'master' or 'param'"):
+        HybridDeviceOptimizer(_model().parameters(), grad_copy_dtype=torch.float32)
     with pytest.raises(TypeError, match="early_grad_copy"):
         HybridDeviceOptimizer(_model().parameters(), early_grad_copy="yes")
 
@@ -279,14 +281,18 @@ def test_host_state_sits_on_host_copies() -> None:
 
 @pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
 @pytest.mark.parametrize("param_copy_dtype", ["param", "master"])
+@pytest.mark.parametrize("grad_copy_dtype", ["param", "master"])
 @pytest.mark.parametrize("overlap", [True, False])
-def test_bf16_with_fp32_masters(fraction: float, param_copy_dtype: str, overlap: bool) -> None:
+def test_bf16_with_fp32_masters(
+    fraction: float, param_copy_dtype: str, grad_copy_dtype: str, overlap: bool
+) -> None:
     model, ref = _model(torch.bfloat16), _model(torch.bfloat16)
     opt = _CpuAsDevice(
         model.parameters(),
         offload_fraction=fraction,
         param_update_in_fp32=True,
         param_copy_dtype=param_copy_dtype,
+        grad_copy_dtype=grad_copy_dtype,
         overlap_cpu_optimizer_d2h_h2d=overlap,
         **ADAMW,
     )
@@ -471,25 +477,51 @@ def test_changes_between_backward_and_step_are_honoured(
     assert opt.last_step_timings["early_copies_reused"] < 4
 
 
-def test_gradient_accumulation_with_early_copies() -> None:
+def _train_bf16_masters_against_no_early_copies(
+    grad_copy_dtype: str,
+    *,
+    micro_batches: int,
+    between: Callable[[torch.nn.Module], None] | None = None,
+) -> HybridDeviceOptimizer:
+    """Two steps of a bf16 model through host fp32 masters, with early copies and
+    without; asserts the two models agree and returns the optimizer with them."""
     model, ref = _model(torch.bfloat16), _model(torch.bfloat16)
-    opt = _early(model, param_update_in_fp32=True)
-    plain_model_opt = _CpuAsDevice(
+    opt = _early(model, param_update_in_fp32=True, grad_copy_dtype=grad_copy_dtype)
+    plain = _CpuAsDevice(
         ref.parameters(),
         offload_fraction=1.0,
         param_update_in_fp32=True,
         early_grad_copy=False,
         **ADAMW,
     )
-    for m, o in ((model, opt), (ref, plain_model_opt)):
+    for m, o in ((model, opt), (ref, plain)):
         gen = torch.Generator().manual_seed(3)
         for _ in range(2):
-            for _ in range(3):  # three micro-batches per step
+            for _ in range(micro_batches):
                 m(torch.randn(4, 8, generator=gen).bfloat16()).float().square().mean().backward()
+            if between is not None:
+                between(m)
             o.step()
             o.zero_grad()
     assert _same(model, ref)
+    return opt
+
+
+@pytest.mark.parametrize("grad_copy_dtype", ["param", "master"])
+def test_gradient_accumulation_with_early_copies(grad_copy_dtype: str) -> None:
+    opt = _train_bf16_masters_against_no_early_copies(grad_copy_dtype, micro_batches=3)
     assert opt.last_step_timings["early_copies_reused"] == 4
+
+
+@pytest.mark.parametrize("grad_copy_dtype", ["param", "master"])
+def test_clipping_honoured_with_bf16_masters(grad_copy_dtype: str) -> None:
+    # The early copy was widened (on the worker or by the copy itself); clipping after
+    # backward must still reach the host step.
+    opt = _train_bf16_masters_against_no_early_copies(
+        grad_copy_dtype, micro_batches=1, between=_clip
+    )
+    assert opt.last_step_timings["early_copies"] == 4
+    assert opt.last_step_timings["early_copies_reused"] == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])

@@ -209,19 +209,34 @@ def test_host_part_is_bit_identical(
     assert opt.last_step_timings["early_copies_reused"] == expected_reused
 
 
+@pytest.mark.parametrize("clip", [False, True])
+@pytest.mark.parametrize("grad_copy_dtype", ["param", "master"])
 @pytest.mark.parametrize("param_copy_dtype", ["param", "master"])
-def test_host_part_bit_identical_bf16_masters(param_copy_dtype: str) -> None:
+def test_host_part_bit_identical_bf16_masters(
+    param_copy_dtype: str, grad_copy_dtype: str, clip: bool
+) -> None:
     model = _model(width=1024, dtype=torch.bfloat16)
     opt = HybridDeviceOptimizer(
         model.parameters(),
         offload_fraction=1.0,
         param_update_in_fp32=True,
         param_copy_dtype=param_copy_dtype,
+        grad_copy_dtype=grad_copy_dtype,
         **ADAMW,
     )
     ref = _host_reference(opt, torch.optim.AdamW, ADAMW, fp32_masters=True)
     for step in range(3):
-        _step_both(model, opt, ref, step)
+        _step_both(model, opt, ref, step, clip=clip)
+    # Gradients below the early-copy threshold are copied in step() only.
+    early = float(
+        sum(
+            off and p.numel() >= opt._early_min_numel
+            for p, off in zip(model.parameters(), opt.offload_mask, strict=True)
+        )
+    )
+    assert early > 0
+    assert opt.last_step_timings["early_copies"] == early
+    assert opt.last_step_timings["early_copies_reused"] == (0.0 if clip else early)
     params = list(model.parameters())
     for i, master in zip(ref[0], ref[1], strict=True):
         assert torch.equal(opt.state[params[i]]["master_param"], master)
@@ -384,11 +399,26 @@ def test_gpu_state_memory_falls_with_the_fraction(dtype: torch.dtype) -> None:
 
 def test_host_buffers_are_pinned_as_asked() -> None:
     model = _model(dtype=torch.bfloat16)
+    # Default transfers: fp32 both ways, straight from and into the pinned fp32 buffers.
     opt = HybridDeviceOptimizer(model.parameters(), offload_fraction=1.0, param_update_in_fp32=True)
     entry = opt._entries[0]
     assert entry.grad_buf is not None and entry.grad_buf.is_pinned()
+    assert entry.grad_buf.dtype == torch.float32 and entry.host_grad is None
+    assert entry.stage is None and entry.inner.is_pinned()
+    # bf16 transfers: the bf16 buffers are pinned, the fp32 ones never cross PCIe.
+    opt = HybridDeviceOptimizer(
+        model.parameters(),
+        offload_fraction=1.0,
+        param_update_in_fp32=True,
+        grad_copy_dtype="param",
+        param_copy_dtype="param",
+    )
+    entry = opt._entries[0]
+    assert entry.grad_buf is not None and entry.grad_buf.is_pinned()
+    assert entry.grad_buf.dtype == torch.bfloat16
+    assert entry.host_grad is not None and not entry.host_grad.is_pinned()
     assert entry.stage is not None and entry.stage.is_pinned()
-    assert not entry.inner.is_pinned()  # the fp32 master never crosses PCIe in this mode
+    assert not entry.inner.is_pinned()
     opt = HybridDeviceOptimizer(
         model.parameters(), offload_fraction=1.0, pin_cpu_grads=False, pin_cpu_params=False
     )

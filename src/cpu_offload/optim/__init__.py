@@ -10,17 +10,21 @@ by ``benchmarks/optimizer_offload.py`` and the comparison tool).
 from ._hybrid import HybridDeviceOptimizer
 from ._measure import (
     OptimizerMeasurement,
+    StateBytes,
     measure_host_optimizer_throughput,
     measure_optimizer,
     optimizer_device_state_bytes,
+    optimizer_state_bytes,
 )
 from ._split import compute_offload_split
 
 __all__ = [
     "HybridDeviceOptimizer",
     "OptimizerMeasurement",
+    "StateBytes",
     "compute_offload_split",
     "measure_host_optimizer_throughput",
     "measure_optimizer",
     "optimizer_device_state_bytes",
+    "optimizer_state_bytes",
 ]

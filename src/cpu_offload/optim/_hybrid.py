@@ -4,11 +4,13 @@ Megatron-LM's ``HybridDeviceOptimizer`` (HDO) keeps the optimizer state of a pre
 parameters in host memory and steps it with a host optimizer; this module implements the
 same constructor, split and state-dict contract, with a faster data path:
 
-* gradients cross PCIe in their own dtype (bf16 stays bf16) and, when a fp32 master copy
-  is kept on the host, are widened there;
+* gradients and updated parameters cross PCIe in the dtype that keeps host memory
+  traffic lowest (the host step is bound by host memory bandwidth): with a host fp32
+  master they are widened and narrowed on the GPU by default, otherwise they travel in
+  their own dtype (``grad_copy_dtype`` / ``param_copy_dtype`` choose);
 * gradient copies start in backward, from a post-accumulate-grad hook, and are reused in
   ``step()`` only if the gradient is provably unchanged (same tensor, same version counter,
-  same content fingerprint); otherwise ``step()`` copies again;
+  same content fingerprint, taken on the GPU); otherwise ``step()`` copies again;
 * host steps are pipelined in buckets with the copies back to the GPU, and the GPU part is
   stepped on the GPU while the host works.
 
@@ -55,6 +57,9 @@ _FUSABLE_CLASSES: tuple[type[torch.optim.Optimizer], ...] = (
 )
 
 ParamsT = Iterable[torch.Tensor] | Iterable[dict[str, Any]]
+# Which dtype crosses PCIe for a parameter with a host fp32 master: the master's (fp32,
+# converted on the device) or the parameter's own (converted on the host).
+_CopyDtype = Literal["master", "param"]
 
 
 # Integer dtype of each element width, to read a tensor's bits element by element.
@@ -77,17 +82,25 @@ def _fingerprint(tensor: torch.Tensor) -> torch.Tensor:
     return torch.stack([ints.sum(dtype=ints.dtype), ints.amax(), ints.amin()]).to(torch.int64)
 
 
-def _after_copy(
-    event: torch.cuda.Event | None, buf: torch.Tensor, widened: torch.Tensor | None
-) -> torch.Tensor:
-    # Runs on the worker thread while backward goes on: wait for the copy to the host,
-    # fingerprint what arrived, and widen it for the fp32 master if there is one.
+def _widen_after_copy(
+    event: torch.cuda.Event | None, buf: torch.Tensor, wide: torch.Tensor
+) -> None:
+    # Runs on the worker thread while backward goes on (grad_copy_dtype="param" with a
+    # fp32 master): wait for the copy to the host, then widen it for the master.
     if event is not None:
         event.synchronize()
-    fingerprint = _fingerprint(buf)
-    if widened is not None:
-        widened.copy_(buf)
-    return fingerprint
+    wide.copy_(buf)
+
+
+def _copy_converted(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:
+    """``dst.copy_(src)`` with any dtype conversion done on ``src``'s device.
+
+    PyTorch converts on the host for a blocking device-to-host copy; converting on the
+    GPU first keeps the host's memory bandwidth for the host step.
+    """
+    if src.dtype != dst.dtype:
+        src = src.to(dst.dtype)
+    dst.copy_(src, non_blocking=non_blocking)
 
 
 @dataclass(eq=False)
@@ -97,8 +110,10 @@ class _EarlyCopy:
     grad: weakref.ref[torch.Tensor]
     version: int
     copy_event: torch.cuda.Event | None
-    done: Future[torch.Tensor]  # the fingerprint of the copy, once it has arrived
-    widened: bool
+    # The gradient's fingerprint, taken on its device on the stream that produced it,
+    # before anything queued after the hook could change it.
+    fingerprint: torch.Tensor
+    widened: bool  # the worker widens it into the entry's host_grad (entry.pending)
 
 
 @dataclass(eq=False)
@@ -112,10 +127,10 @@ class _Entry:
     inner: torch.Tensor  # the tensor the sub-optimizer steps
     master: bool  # inner is a fp32 master copy of a lower-precision parameter
     grad_buf: torch.Tensor | None = None  # host buffer the gradient is copied into
-    host_grad: torch.Tensor | None = None  # widened host gradient (master only)
+    host_grad: torch.Tensor | None = None  # host-widened gradient (grad_copy_dtype="param")
     stage: torch.Tensor | None = None  # host buffer in the parameter's dtype for H2D
     early: _EarlyCopy | None = None
-    pending: Future[torch.Tensor] | None = None  # last task queued on the worker
+    pending: Future[None] | None = None  # last task queued on the worker
     d2h_event: torch.cuda.Event | None = None
     h2d_event: torch.cuda.Event | None = None
     widened: bool = False
@@ -168,7 +183,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     ``state`` maps each parameter to its state (host tensors for offloaded parameters);
     ``state_dict()`` is keyed like a plain optimizer's and loads into one, and the reverse.
 
-    Beyond Megatron's, two keyword arguments are taken out of ``**defaults``:
+    Beyond Megatron's, three keyword arguments are taken out of ``**defaults``:
 
     * ``early_grad_copy`` (bool, default True): with ``overlap_cpu_optimizer_d2h_h2d``,
       start each offloaded gradient's copy to the host as soon as backward has
@@ -178,11 +193,19 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
       ``step()`` is honoured (the gradient is then copied again). Turn it off when the
       gradients are always rewritten after backward (DDP, ``GradScaler``): the early
       copies would only cost PCIe bandwidth.
-    * ``param_copy_dtype`` (``"param"`` or ``"master"``, default ``"param"``): the dtype
-      in which updated parameters with a host fp32 master travel back. ``"param"``
-      narrows on the host and sends the parameter's own dtype (half the PCIe bytes);
-      ``"master"`` sends fp32 and narrows on the device (no host narrowing, a transient
-      fp32 buffer the size of one parameter on the device).
+    * ``grad_copy_dtype`` (``"master"`` or ``"param"``, default ``"master"``): the dtype
+      in which gradients of parameters with a host fp32 master travel to the host.
+      ``"master"`` widens on the device and sends fp32 (twice the PCIe bytes, a transient
+      fp32 copy of one gradient on the device, no host work); ``"param"`` sends the
+      gradient's own dtype and widens on the host (on a worker thread during backward).
+      The host step is bound by host memory bandwidth, which host widening takes from it,
+      so ``"master"`` is faster wherever the copies overlap backward and the host step.
+    * ``param_copy_dtype`` (``"master"`` or ``"param"``, default ``"master"``): the same
+      choice for the updated parameters travelling back: ``"master"`` sends fp32 and
+      narrows on the device; ``"param"`` narrows on the host and sends the parameter's
+      own dtype (half the PCIe bytes).
+
+    Without a host fp32 master, gradients and parameters always travel in their own dtype.
 
     Args:
         params: Parameters or param-group dicts, as for any optimizer.
@@ -197,13 +220,15 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             soon as its gradients have arrived, its copy back overlapping later steps.
             Off: one host optimizer, copies on the current stream.
         **defaults: Hyperparameters (lr, betas, eps, weight_decay, momentum, fused, ...)
-            for both sub-optimizers, plus ``early_grad_copy`` and ``param_copy_dtype``.
+            for both sub-optimizers, plus ``early_grad_copy``, ``grad_copy_dtype`` and
+            ``param_copy_dtype``.
             When neither ``fused`` nor ``foreach`` is given, PyTorch's Adam, AdamW and SGD
             use their fused kernels on each side where the running PyTorch has them.
 
     Raises:
         ValueError: If ``params`` is empty, ``offload_fraction`` is outside ``[0, 1]``,
-            ``param_copy_dtype`` is unknown, or device parameters span several devices.
+            ``grad_copy_dtype`` or ``param_copy_dtype`` is unknown, or device parameters
+            span several devices.
         TypeError: If a class is not a ``torch.optim.Optimizer`` subclass or a flag is
             not a bool.
 
@@ -246,11 +271,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         early_grad_copy = defaults.pop("early_grad_copy", True)
         if not isinstance(early_grad_copy, bool):
             raise TypeError(f"early_grad_copy must be a bool, got {type(early_grad_copy).__name__}")
-        param_copy_dtype = defaults.pop("param_copy_dtype", "param")
-        if param_copy_dtype not in ("param", "master"):
-            raise ValueError(
-                f"param_copy_dtype must be 'param' or 'master', got {param_copy_dtype!r}"
-            )
+        copy_dtypes = {
+            name: _check_copy_dtype(name, defaults.pop(name, "master"))
+            for name in ("grad_copy_dtype", "param_copy_dtype")
+        }
         param_list = _materialize(params)
 
         super().__init__(param_list, dict(defaults))
@@ -262,7 +286,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self.pin_cpu_params = pin_cpu_params
         self.overlap_cpu_optimizer_d2h_h2d = overlap_cpu_optimizer_d2h_h2d
         self.early_grad_copy = early_grad_copy
-        self.param_copy_dtype: Literal["param", "master"] = param_copy_dtype
+        self.grad_copy_dtype: _CopyDtype = copy_dtypes["grad_copy_dtype"]
+        self.param_copy_dtype: _CopyDtype = copy_dtypes["param_copy_dtype"]
         self.sub_optimizer_kwargs = dict(defaults)
         #: Timings and counters of the last ``step()`` (seconds and counts).
         self.last_step_timings: dict[str, float] = {}
@@ -543,12 +568,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                     entry.stage = torch.empty(
                         p.shape, dtype=p.dtype, device="cpu", pin_memory=pin and self.pin_cpu_params
                     )
-                # Allocated now (in the parameter's dtype, which gradients normally have):
-                # pinned allocation is slow and must not happen inside backward.
+                # Allocated now (gradients normally have the parameter's dtype): pinned
+                # allocation is slow and must not happen inside backward.
+                grad_dtype = dtype if master and self.grad_copy_dtype == "master" else p.dtype
                 entry.grad_buf = torch.empty(
-                    p.shape, dtype=p.dtype, device="cpu", pin_memory=pin and self.pin_cpu_grads
+                    p.shape, dtype=grad_dtype, device="cpu", pin_memory=pin and self.pin_cpu_grads
                 )
-                if master:
+                if master and self.grad_copy_dtype == "param":
                     entry.host_grad = torch.empty(p.shape, dtype=dtype, device="cpu")
                 return entry
             inner = p.detach().to(dtype, copy=True) if master else p
@@ -647,42 +673,50 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             # The worker may still read the previous copy in this buffer.
             entry.pending.result()
             entry.pending = None
+        # Taken on the stream that produced the gradient, so that it describes the
+        # gradient as backward left it: a change queued later (clipping on this stream)
+        # may race with the copy below, but then step() sees another fingerprint.
+        fingerprint = _fingerprint(grad)
         buf = self._grad_buffer(entry, grad)
         stream = self._d2h_stream
         copy_event = None
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(grad.device))
             with torch.cuda.stream(stream):
-                buf.copy_(grad, non_blocking=True)
+                _copy_converted(buf, grad, non_blocking=True)
                 copy_event = stream.record_event()
             # The side stream reads the gradient: keep its memory until that is done.
             grad.record_stream(stream)
         else:
-            buf.copy_(grad)
-        done = self._worker().submit(_after_copy, copy_event, buf, entry.host_grad)
-        entry.pending = done
-        entry.early = _EarlyCopy(
-            weakref.ref(grad), grad._version, copy_event, done, entry.host_grad is not None
-        )
+            _copy_converted(buf, grad, non_blocking=False)
+        host_grad, widened = entry.host_grad, False
+        if host_grad is not None and buf.dtype != host_grad.dtype:
+            entry.pending = self._worker().submit(_widen_after_copy, copy_event, buf, host_grad)
+            widened = True
+        entry.early = _EarlyCopy(weakref.ref(grad), grad._version, copy_event, fingerprint, widened)
 
     def _grad_buffer(self, entry: _Entry, grad: torch.Tensor) -> torch.Tensor:
+        # fp32 for a fp32 master with grad_copy_dtype="master" (widened on the device),
+        # the gradient's own dtype otherwise.
+        dtype = entry.inner.dtype if entry.host_grad is None and entry.master else grad.dtype
         buf = entry.grad_buf
-        if buf is None or buf.dtype != grad.dtype or buf.shape != grad.shape:
+        if buf is None or buf.dtype != dtype or buf.shape != grad.shape:
             pin = entry.param.is_cuda and self.pin_cpu_grads
-            buf = torch.empty(grad.shape, dtype=grad.dtype, device="cpu", pin_memory=pin)
+            buf = torch.empty(grad.shape, dtype=dtype, device="cpu", pin_memory=pin)
             entry.grad_buf = buf
         return buf
 
-    def _fingerprint_early_copies(
+    def _check_early_copies(
         self, entries: list[_Entry]
     ) -> tuple[list[_Entry], torch.Tensor | None, torch.cuda.Event | None]:
-        """Queue the fingerprints of the gradients that have a still-plausible early copy.
+        """Queue the check of the gradients that have a still-plausible early copy.
 
-        Returns the candidates, their fingerprints now (a host tensor, complete once the
-        returned event is) and that event (None off CUDA). Drops the other early copies.
+        Returns the candidates, whether each gradient's fingerprint is unchanged (a host
+        bool tensor, complete once the returned event is) and that event (None off
+        CUDA). Drops the other early copies.
         """
         candidates: list[_Entry] = []
-        grads: list[torch.Tensor] = []
+        now: list[torch.Tensor] = []
         for entry in entries:
             record, entry.early = entry.early, None
             grad = entry.param.grad
@@ -692,33 +726,31 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 continue
             entry.early = record
             candidates.append(entry)
-            grads.append(grad)
+            now.append(_fingerprint(grad))
         if not candidates:
             return [], None, None
-        now = torch.stack([_fingerprint(g) for g in grads])
-        if not now.is_cuda:
-            return candidates, now, None
+        then = torch.stack([e.early.fingerprint for e in candidates])  # type: ignore[union-attr]
+        same = (torch.stack(now) == then).all(dim=1)
+        if not same.is_cuda:
+            return candidates, same, None
         # A non-blocking copy and an event, so that the device step can be queued before
         # the host waits for these (and thereby for the end of backward).
-        now_host = now.to("cpu", non_blocking=True)
-        return candidates, now_host, torch.cuda.current_stream(now.device).record_event()
+        same_host = same.to("cpu", non_blocking=True)
+        return candidates, same_host, torch.cuda.current_stream(same.device).record_event()
 
     def _keep_unchanged_early_copies(
         self,
         candidates: list[_Entry],
-        now: torch.Tensor | None,
+        same: torch.Tensor | None,
         event: torch.cuda.Event | None,
     ) -> int:
         """Keep the early copies whose gradient's fingerprint is unchanged; count them."""
-        if not candidates or now is None:
+        if not candidates or same is None:
             return 0
         if event is not None:
             event.synchronize()
-        # The copies' fingerprints were taken on the host by the worker.
-        then = torch.stack([e.early.done.result() for e in candidates])  # type: ignore[union-attr]
-        same = (now == then).all(dim=1).tolist()
         kept = 0
-        for entry, ok in zip(candidates, same, strict=True):
+        for entry, ok in zip(candidates, same.tolist(), strict=True):
             if ok:
                 kept += 1
             else:
@@ -743,13 +775,14 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         # also wait for the device optimizer.
         before_step = current.record_event() if current is not None else None
 
-        # 1. Which early copies still hold the gradient (fingerprints queued first) ...
-        candidates, now, fingerprints_done = self._fingerprint_early_copies(offloaded)
+        # 1. Which early copies still hold the gradient (the check queued first) ...
+        candidates, same, checked = self._check_early_copies(offloaded)
 
         # 2. ... while the device part is queued, to run on the device as the host works.
         if self._device_sub is not None:
             self._step_device()
-        kept = self._keep_unchanged_early_copies(candidates, now, fingerprints_done)
+        kept = self._keep_unchanged_early_copies(candidates, same, checked)
+        t_checked = time.perf_counter()
 
         # 3. Gradients to the host, for every offloaded entry without a valid early copy,
         #    in host-stepping order.
@@ -781,6 +814,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             current.wait_stream(self._h2d_stream)
         self.last_step_timings = {
             "step_s": time.perf_counter() - t_start,
+            "check_s": t_checked - t_start,
             "host_step_s": host_step,
             "host_wait_s": wait,
             "host_copy_back_s": convert,
@@ -813,11 +847,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         buf = self._grad_buffer(entry, grad)
         if stream is not None:
             with torch.cuda.stream(stream):
-                buf.copy_(grad, non_blocking=True)
+                _copy_converted(buf, grad, non_blocking=True)
                 entry.d2h_event = stream.record_event()
             grad.record_stream(stream)
         else:
-            buf.copy_(grad)
+            _copy_converted(buf, grad, non_blocking=False)
 
     def _host_grad_ready(self, entry: _Entry) -> None:
         if not entry.offloaded:
@@ -883,6 +917,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 # The fp32 gradient is transient: freeing it keeps the device state at
                 # master + moments (12 bytes per parameter for AdamW).
                 entry.inner.grad = None
+
+
+def _check_copy_dtype(name: str, value: Any) -> _CopyDtype:
+    if value not in ("master", "param"):
+        raise ValueError(f"{name} must be 'master' or 'param', got {value!r}")
+    return value  # type: ignore[no-any-return]
 
 
 def _check_optimizer_cls(

@@ -6,7 +6,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 
@@ -15,9 +15,11 @@ from ._split import check_offload_fraction
 
 __all__ = [
     "OptimizerMeasurement",
+    "StateBytes",
     "measure_host_optimizer_throughput",
     "measure_optimizer",
     "optimizer_device_state_bytes",
+    "optimizer_state_bytes",
 ]
 
 
@@ -40,6 +42,10 @@ class OptimizerMeasurement:
         peak_allocated_bytes: Peak device memory allocated during the timed steps.
         early_copies_reused: Gradient copies started in backward and reused, per step.
         device: Name of the device.
+        state_bytes_device_side: Optimizer state on the device side of the split, by
+            :func:`optimizer_state_bytes` (on a GPU, equal to ``device_state_bytes``).
+        state_bytes_host_side: Optimizer state on the host side of the split.
+        losses: The loss of every step, warm-up steps included, in order.
     """
 
     offload_fraction: float
@@ -55,6 +61,9 @@ class OptimizerMeasurement:
     peak_allocated_bytes: int
     early_copies_reused: float
     device: str
+    state_bytes_device_side: int = 0
+    state_bytes_host_side: int = 0
+    losses: tuple[float, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a JSON-ready dict."""
@@ -91,6 +100,70 @@ def optimizer_device_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return total
 
 
+class StateBytes(NamedTuple):
+    """Bytes of optimizer state on each side of an optimizer's split.
+
+    Attributes:
+        device: State of parameters stepped on the device.
+        host: State of parameters stepped on the host (offloaded or host parameters).
+    """
+
+    device: int
+    host: int
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> StateBytes:
+    """Bytes of an optimizer's ``state`` on the device and host sides, by its split.
+
+    A state tensor (each storage counted once) is on the device side when its parameter
+    is a device parameter that is not offloaded, and the tensor is on the parameter's
+    device. For :class:`HybridDeviceOptimizer` "device parameter" is the optimizer's
+    own notion, so a subclass that treats CPU tensors as device tensors (a CPU stand-in
+    for tests and ``cpu-offload compare``) gets the bytes that would stay on a GPU. For
+    other optimizers it is any parameter that is not on the CPU. On a GPU the device
+    side equals :func:`optimizer_device_state_bytes`.
+
+    Args:
+        optimizer: Any optimizer.
+
+    Returns:
+        A :class:`StateBytes` ``(device, host)``.
+
+    Example:
+        >>> import torch
+        >>> p = torch.nn.Parameter(torch.zeros(4))
+        >>> opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+        >>> p.grad = torch.ones(4)
+        >>> opt.step()
+        >>> optimizer_state_bytes(opt)
+        StateBytes(device=0, host=16)
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if isinstance(optimizer, HybridDeviceOptimizer):
+        mask = optimizer.offload_mask
+        on_device = [
+            not offloaded and optimizer._is_device_param(p)
+            for p, offloaded in zip(params, mask, strict=True)
+        ]
+    else:
+        on_device = [p.device.type != "cpu" for p in params]
+    seen: set[int] = set()
+    device = host = 0
+    for p, device_side in zip(params, on_device, strict=True):
+        for value in optimizer.state.get(p, {}).values():
+            if not isinstance(value, torch.Tensor):
+                continue
+            storage = value.untyped_storage()
+            if storage.data_ptr() in seen:
+                continue
+            seen.add(storage.data_ptr())
+            if device_side and value.device == p.device:
+                device += storage.nbytes()
+            else:
+                host += storage.nbytes()
+    return StateBytes(device, host)
+
+
 def _model_device(model: torch.nn.Module) -> torch.device:
     for p in model.parameters():
         return p.device
@@ -104,11 +177,13 @@ def measure_optimizer(
     offload_fraction: float = 0.5,
     overlap_cpu_optimizer_d2h_h2d: bool = True,
     param_update_in_fp32: bool = True,
-    param_copy_dtype: Literal["param", "master"] = "param",
+    param_copy_dtype: Literal["master", "param"] = "master",
     steps: int = 5,
     warmup: int = 2,
     cpu_optimizer_cls: type[torch.optim.Optimizer] | None = None,
     gpu_optimizer_cls: type[torch.optim.Optimizer] | None = None,
+    hybrid_cls: type[HybridDeviceOptimizer] = HybridDeviceOptimizer,
+    on_finish: Callable[[HybridDeviceOptimizer], None] | None = None,
     **defaults: Any,
 ) -> OptimizerMeasurement:
     """Train ``model`` for a few steps with one HybridDeviceOptimizer configuration.
@@ -125,12 +200,18 @@ def measure_optimizer(
         offload_fraction: Fraction of the parameters' optimizer state on the host.
         overlap_cpu_optimizer_d2h_h2d: Overlapped (pipelined) mode.
         param_update_in_fp32: fp32 master copies for lower-precision parameters.
-        param_copy_dtype: ``"param"`` or ``"master"``: dtype of the copies back.
+        param_copy_dtype: ``"master"`` or ``"param"``: dtype of the copies back (as for
+            :class:`HybridDeviceOptimizer`; ``grad_copy_dtype`` goes in ``**defaults``).
         steps: Timed steps (>= 1).
         warmup: Untimed steps first (>= 0; state allocation, pinned buffers).
         cpu_optimizer_cls: Host optimizer class (AdamW when None).
         gpu_optimizer_cls: Device optimizer class (AdamW when None).
-        **defaults: Hyperparameters for both sides (lr, weight_decay, ...).
+        hybrid_cls: The optimizer class to build: :class:`HybridDeviceOptimizer` or a
+            subclass (such as a CPU stand-in that treats CPU tensors as device tensors).
+        on_finish: Called with the optimizer after the last step, before it is
+            discarded (to read its state, e.g. the fp32 master copies).
+        **defaults: Hyperparameters for both sides (lr, weight_decay, ...) and further
+            keyword arguments of ``hybrid_cls`` (``pin_cpu_grads``, ...).
 
     Returns:
         An :class:`OptimizerMeasurement` with medians over the timed steps.
@@ -159,7 +240,7 @@ def measure_optimizer(
             torch.cuda.synchronize(device)
 
     model.zero_grad(set_to_none=True)
-    optimizer = HybridDeviceOptimizer(
+    optimizer = hybrid_cls(
         model.parameters(),
         offload_fraction=fraction,
         cpu_optimizer_cls=cpu_optimizer_cls,
@@ -173,6 +254,7 @@ def measure_optimizer(
     fb_ms: list[float] = []
     host_ms: list[float] = []
     reused: list[float] = []
+    losses: list[torch.Tensor] = []
     try:
         for i in range(warmup + steps):
             timed = i >= warmup
@@ -185,6 +267,7 @@ def measure_optimizer(
                 start.record()
             loss = loss_fn(model)
             loss.backward()
+            losses.append(loss.detach())
             if cuda:
                 after_backward.record()
             t1 = time.perf_counter()
@@ -198,8 +281,11 @@ def measure_optimizer(
                 host_ms.append(optimizer.last_step_timings.get("host_step_s", 0.0) * 1e3)
                 reused.append(optimizer.last_step_timings.get("early_copies_reused", 0.0))
         state_bytes = optimizer_device_state_bytes(optimizer)
+        sides = optimizer_state_bytes(optimizer)
         peak = torch.cuda.max_memory_allocated(device) if cuda else 0
         host_numel = int(optimizer.last_step_timings.get("host_numel", 0.0))
+        if on_finish is not None:
+            on_finish(optimizer)
     finally:
         del optimizer
         if cuda:
@@ -220,6 +306,9 @@ def measure_optimizer(
         peak_allocated_bytes=peak,
         early_copies_reused=statistics.median(reused),
         device=torch.cuda.get_device_name(device) if cuda else "cpu",
+        state_bytes_device_side=sides.device,
+        state_bytes_host_side=sides.host,
+        losses=tuple(float(v) for v in losses),
     )
 
 
