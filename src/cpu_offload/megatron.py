@@ -28,6 +28,7 @@ __all__ = [
     "apply_overrides",
     "build_optimizer",
     "offload_context",
+    "optimizer_class",
     "parse_override",
 ]
 
@@ -513,6 +514,31 @@ def offload_context(config: ActivationOffloadConfig | Any) -> tuple[Any, Callabl
     )
 
 
+def optimizer_class(config: OptimizerOffloadConfig) -> type[torch.optim.Optimizer]:
+    """The ``torch.optim`` class Megatron's optimizer name stands for, on both sides.
+
+    Args:
+        config: The optimizer config; its ``optimizer`` field is read.
+
+    Returns:
+        ``torch.optim.AdamW`` for ``"adam"`` (Megatron's Adam is AdamW, decoupled weight
+        decay), ``torch.optim.SGD`` for ``"sgd"``.
+
+    Raises:
+        ValueError: If ``config.optimizer`` is neither (the message lists both).
+
+    Example:
+        >>> optimizer_class(OptimizerOffloadConfig(optimizer="sgd")).__name__
+        'SGD'
+    """
+    if config.optimizer not in _OPTIMIZERS:
+        raise ValueError(
+            f"{config.optimizer} optimizer is not supported. optimizer must be one of "
+            + ", ".join(repr(k) for k in _OPTIMIZERS)
+        )
+    return _OPTIMIZERS[config.optimizer]
+
+
 def build_optimizer(
     params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
     config: OptimizerOffloadConfig | Any,
@@ -553,12 +579,7 @@ def build_optimizer(
         else OptimizerOffloadConfig.from_object(config)
     )
     cfg.validate()
-    if cfg.optimizer not in _OPTIMIZERS:
-        raise ValueError(
-            f"{cfg.optimizer} optimizer is not supported. optimizer must be one of "
-            + ", ".join(repr(k) for k in _OPTIMIZERS)
-        )
-    cls = _OPTIMIZERS[cfg.optimizer]
+    cls = optimizer_class(cfg)
     if not cfg.optimizer_cpu_offload:
         return cls(params, **defaults)
     param_update_in_fp32 = defaults.pop("param_update_in_fp32", True)

@@ -25,6 +25,8 @@ from .._selection import ActivationPolicy
 from .._tensor_group import SavedEntry, TensorGroupProcessor
 from .._transport import CudaTransport, HostTransport, Transport
 from ..models import ModelSpec, build_layers
+from ._rows import row_by_name
+from .optimizer import OptimizerCompareConfig, OptimizerReport, run_optimizer_compare
 from .simulate import LayerProfile, SimResult, Span, simulate
 from .variants import Variant, make_variant
 
@@ -35,7 +37,13 @@ _GB = 1e9
 
 @dataclass
 class CompareConfig:
-    """What ``cpu-offload compare`` runs."""
+    """What ``cpu-offload compare`` runs.
+
+    ``activation`` runs the activation variants (``variants``, no offloading always
+    first) on ``num_offloaded`` of the model's layers; ``optimizer``, when given, runs the
+    optimizer-offloading configurations on the same model, for the same ``steps`` and
+    ``warmup``. At least one of the two must be on.
+    """
 
     spec: ModelSpec
     num_offloaded: int
@@ -49,6 +57,8 @@ class CompareConfig:
     sim_link_gbps: float = 50.0  # assumed link bandwidth for the simulated mode
     sim_launch_us: float = 6.0  # assumed time of one kernel launch for the simulated mode
     timeline_variants: Sequence[str] = ("v2", "v1-async")
+    activation: bool = True
+    optimizer: OptimizerCompareConfig | None = None
 
 
 @dataclass
@@ -71,26 +81,34 @@ class VariantResult:
 
 @dataclass
 class CompareReport:
-    """The comparison: one result per variant plus the context to read them."""
+    """The comparison: one result per variant plus the context to read them.
+
+    Without the activation variants (``CompareConfig.activation=False``) ``results`` is
+    empty and the noise floors are None; ``optimizer`` holds the optimizer section when
+    it ran.
+    """
 
     config: dict[str, object]
     device: str
     torch_version: str
     simulated: bool
-    noise_floor_loss: float
-    noise_floor_grad: float
+    noise_floor_loss: float | None
+    noise_floor_grad: float | None
     link_d2h_gbps: float | None
     link_h2d_gbps: float | None
     link_duplex_gbps: float | None
     results: list[VariantResult]
     floor_ms: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    optimizer: OptimizerReport | None = None
 
     def result(self, name: str) -> VariantResult:
-        for r in self.results:
-            if r.name == name:
-                return r
-        raise KeyError(name)
+        """The result of the activation variant called ``name``.
+
+        Raises:
+            KeyError: If there is no such variant.
+        """
+        return row_by_name(self.results, name)
 
 
 # -- one step ------------------------------------------------------------------------
@@ -362,8 +380,68 @@ def run_compare(
 
     Returns:
         The report, with real measurements on CUDA and simulated times and memory on
-        the CPU (``report.simulated``).
+        the CPU (``report.simulated``); its ``optimizer`` section when
+        ``config.optimizer`` is given (measured on CUDA, a CPU stand-in otherwise).
+
+    Raises:
+        ValueError: If ``config.activation`` is off and ``config.optimizer`` is None.
     """
+    if not config.activation and config.optimizer is None:
+        raise ValueError(
+            "nothing to compare: activation=False and optimizer=None; turn on at least one"
+        )
+    if config.activation:
+        report = _run_activation(config, progress)
+    else:
+        report = CompareReport(
+            config=_config_dict(config),
+            device=_device_name(config.device == "cuda"),
+            torch_version=TORCH_VERSION_STRING,
+            simulated=False,
+            noise_floor_loss=None,
+            noise_floor_grad=None,
+            link_d2h_gbps=None,
+            link_h2d_gbps=None,
+            link_duplex_gbps=None,
+            results=[],
+        )
+    if config.optimizer is not None:
+        report.optimizer = run_optimizer_compare(
+            config.spec,
+            config.optimizer,
+            device=config.device,
+            steps=config.steps,
+            warmup=config.warmup,
+            progress=progress,
+        )
+    return report
+
+
+def _device_name(cuda: bool) -> str:
+    return torch.cuda.get_device_name() if cuda else "cpu (CPU stand-in)"
+
+
+def _config_dict(config: CompareConfig) -> dict[str, object]:
+    spec = config.spec
+    return {
+        "model": spec.kind,
+        "hidden": spec.hidden,
+        "heads": spec.heads,
+        "seq": spec.seq,
+        "batch": spec.batch,
+        "layers": spec.layers,
+        "offloaded": config.num_offloaded,
+        "dtype": str(spec.dtype).replace("torch.", ""),
+        "steps": config.steps,
+        "min_tensor_size_to_offload": config.min_numel,
+        "deterministic": config.deterministic,
+        "activation": config.activation,
+        "optimizer": config.optimizer is not None,
+    }
+
+
+def _run_activation(config: CompareConfig, progress: Callable[[str], None]) -> CompareReport:
+    """The activation variants: everything but the optimizer section."""
     cuda = config.device == "cuda"
     spec = config.spec
     device = torch.device(config.device)
@@ -438,20 +516,8 @@ def run_compare(
             torch.cuda.empty_cache()
 
     report = CompareReport(
-        config={
-            "model": spec.kind,
-            "hidden": spec.hidden,
-            "heads": spec.heads,
-            "seq": spec.seq,
-            "batch": spec.batch,
-            "layers": n,
-            "offloaded": k,
-            "dtype": str(spec.dtype).replace("torch.", ""),
-            "steps": config.steps,
-            "min_tensor_size_to_offload": config.min_numel,
-            "deterministic": config.deterministic,
-        },
-        device=torch.cuda.get_device_name() if cuda else "cpu (CPU stand-in)",
+        config=_config_dict(config),
+        device=_device_name(cuda),
         torch_version=TORCH_VERSION_STRING,
         simulated=not cuda,
         noise_floor_loss=noise_loss,
