@@ -67,9 +67,9 @@ How to read the tables:
   run's per-layer compute times and link bandwidth, from the timeline model
   `cpu_offload.compare.simulate`: no schedule of this kind can do better, and V2 should be
   within 3% of it.
-- *reference x none* are the ratios measured before this package existed, on an H100
-  PCIe before this package existed, for `torch.utils.checkpoint`, `torch.autograd.graph.save_on_cpu` and
-  torchtune's `OffloadActivations` (not run here).
+- *reference x none* are step-time ratios measured on an H100 PCIe Gen5 with torch 2.11
+  before this package existed, for `torch.utils.checkpoint`,
+  `torch.autograd.graph.save_on_cpu` and torchtune's `OffloadActivations` (not run here).
 - `v1-async-db` is V1's asynchronous handler with double buffering.
 
 """
