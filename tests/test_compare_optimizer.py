@@ -156,6 +156,9 @@ def test_param_differences_are_computed_from_the_trained_parameters(monkeypatch)
     assert rows["0.5, overlap on"].max_loss_diff == 0.0
     assert not rows["1, overlap off"].within_tolerance()
     assert rows["0.5, overlap on"].within_tolerance()
+    assert report.result("1, overlap off") is rows["1, overlap off"]
+    with pytest.raises(KeyError, match=r"no row named '0.75'; rows: 0 \(no offload\), 0.5"):
+        report.result("0.75")
     text = format_optimizer_table(report)
     assert "BEYOND 1e-3 of no offloading: 1, overlap off" in text
     assert "within 1e-3 of no offloading (loss; parameters, through fp32 masters where" in text
