@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import pytest
 import torch
 from torch import nn
 
+from cpu_offload.cli import main as cli_main
 from cpu_offload.models import run_layers
 
 
@@ -70,3 +72,11 @@ def top_saved_tensor_hooks() -> object:
     if probe is None:
         pytest.skip("this PyTorch cannot show the saved-tensor hook stack")
     return probe(False)
+
+
+def cli_usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """Run ``cpu-offload`` with ``argv``, check that it exits with status 2, return stderr."""
+    with pytest.raises(SystemExit) as err:
+        cli_main(argv)
+    assert err.value.code == 2
+    return capsys.readouterr().err

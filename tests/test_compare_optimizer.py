@@ -12,6 +12,7 @@ import json
 
 import pytest
 import torch
+from helpers import cli_usage_error
 
 import cpu_offload.compare.optimizer as optimizer_module
 from cpu_offload.cli import main
@@ -33,26 +34,10 @@ from cpu_offload.optim import (
 )
 
 # A model small enough that a whole optimizer section takes about a second on the CPU.
-TINY = [
-    "compare",
-    "--hidden",
-    "32",
-    "--heads",
-    "4",
-    "--seq",
-    "16",
-    "--batch",
-    "2",
-    "--layers",
-    "4",
-    "--min-tensor-size",
-    "256",
-    "--quiet",
-    "--steps",
-    "2",
-    "--warmup",
-    "1",
-]
+TINY = (
+    "compare --hidden 32 --heads 4 --seq 16 --batch 2 --layers 4"
+    " --min-tensor-size 256 --quiet --steps 2 --warmup 1"
+).split()
 
 DEFAULT_NAMES = [
     "0 (no offload)",
@@ -320,10 +305,7 @@ def _parse_error(text: str) -> str:
 )
 def test_bad_override_exits_2_with_the_parse_message(override, capsys):
     message = _parse_error(override)
-    with pytest.raises(SystemExit) as err:
-        main([*TINY, override])
-    assert err.value.code == 2
-    stderr = capsys.readouterr().err
+    stderr = cli_usage_error([*TINY, override], capsys)
     assert "cpu-offload compare: error: " + message in stderr
 
 
@@ -377,10 +359,7 @@ def test_unknown_key_message_names_the_closest_key(capsys):
     ],
 )
 def test_bad_selection_exits_2_naming_it(args, message, capsys):
-    with pytest.raises(SystemExit) as err:
-        main([*TINY, *args])
-    assert err.value.code == 2
-    assert message in capsys.readouterr().err
+    assert message in cli_usage_error([*TINY, *args], capsys)
 
 
 def test_variant_and_config_validation():
