@@ -241,3 +241,70 @@ def test_reloaded_tensor_dropped_after_last_pop():
     out = state.pop_tensor(i)
     assert state.reloaded_tensors() == [None]
     assert torch.equal(out, t)
+
+
+class _StreamsTransport(HostTransport):
+    """The stand-in with named streams: records which stream waited for which reload."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stream = "main"
+        self.waits: list[tuple[str, object]] = []
+        self.shared: list[tuple[str, int]] = []
+
+    def current_stream(self) -> str:
+        return self.stream
+
+    def reload(self, src: torch.Tensor, dst: torch.Tensor) -> object:
+        super().reload(src, dst)
+        return object()  # an event token, so that waits are made
+
+    def wait(self, event: object | None) -> None:
+        if event is not None:
+            self.waits.append((self.stream, event))
+
+    def use_on_current_stream(self, tensor: torch.Tensor) -> None:
+        self.shared.append((self.stream, tensor.data_ptr()))
+
+
+def test_each_stream_that_reads_a_reloaded_tensor_waits_for_its_copy():
+    # Backward runs each node on the stream its forward ran on, so q, k and v of one
+    # projection (one unit, one reload copy) can be read on two streams: each stream
+    # must wait for the copy, and the allocator must learn of the second one.
+    transport = _StreamsTransport()
+    state = OffloadableLayerState(None, transport=transport)
+    base = torch.randn(8, 3 * 64)
+    q, k, v = base.split(64, dim=1)
+    ids = [state.push_tensor(t) for t in (q, k, v)]
+    _to(state, "reload_started")
+    assert len(state._plan.units) == 1
+    event = state._plan.units[0].restored
+
+    assert torch.equal(state.pop_tensor(ids[0]), q)  # on "main", where it was allocated
+    transport.stream = "side"
+    assert torch.equal(state.pop_tensor(ids[1]), k)
+    assert torch.equal(state.pop_tensor(ids[2]), v)  # "side" has waited already
+    assert transport.waits == [("main", event), ("side", event)]
+    # Both reads on "side" tell the allocator (recording a stream twice is harmless).
+    assert [stream for stream, _ in transport.shared] == ["side", "side"]
+
+    transport.stream = "main"
+    state.wait_for_reloads()  # both streams have waited: nothing more to queue
+    state.release_all_memory()
+    assert transport.waits == [("main", event), ("side", event)]
+
+
+def test_wait_for_reloads_joins_a_stream_that_read_nothing():
+    transport = _StreamsTransport()
+    state = OffloadableLayerState(None, transport=transport)
+    i = state.push_tensor(torch.randn(64, 64))
+    _to(state, "reload_started")
+    event = state._plan.units[0].restored
+    transport.stream = "graph-capture"
+    state.wait_for_reloads()
+    state.wait_for_reloads()
+    assert transport.waits == [("graph-capture", event)]
+    transport.stream = "main"
+    state.pop_tensor(i)
+    assert transport.waits == [("graph-capture", event), ("main", event)]
+    assert transport.shared == []  # read on the stream it was allocated on

@@ -174,3 +174,58 @@ def test_exception_in_layer_leaves_no_hooks_and_training_continues(deterministic
 def test_offload_stream_must_be_cuda_stream():
     with pytest.raises(TypeError, match="offload_stream"):
         v2.get_cpu_offload_context(enabled=True, num_layers=1, model_layers=2, offload_stream=1)
+
+
+class _TwoStreamAttention(torch.nn.Module):
+    """q and k are read on the current stream, v on a side stream; all three are views
+    of one projection, so one reload copy serves reads on two streams in backward."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(width, 3 * width)
+        self.side = torch.cuda.Stream()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        self.side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.side):
+            vv = v * v  # saved on the side stream; its backward runs there
+        torch.cuda.current_stream().wait_stream(self.side)
+        return q * k + vv
+
+
+def test_reloaded_views_read_on_two_streams_bit_exact(deterministic):
+    # Backward runs each node on its forward's stream. The two branches get their
+    # gradient from the same node, so whichever runs second does not inherit the first
+    # one's wait for the reload: each stream must wait for the copy itself. The reload
+    # is large (about 4 ms) and started just before backward, and the memory it lands
+    # in is filled with NaN first, so a read that does not wait shows in the gradients.
+    torch.manual_seed(0)
+    layer = _TwoStreamAttention(4096).to(DEV)
+    x = torch.randn(4096, 4096, device=DEV, requires_grad=True)
+
+    def grads(loss: torch.Tensor) -> list[torch.Tensor]:
+        loss.backward()
+        out = [x.grad.clone(), *(p.grad.clone() for p in layer.parameters())]
+        x.grad = None
+        layer.zero_grad(set_to_none=True)
+        return out
+
+    ref = grads(layer(x).square().sum())
+    ctx, sync, manual = v2.get_cpu_offload_context(
+        enabled=True, model_layers=1, manual_synchronization=True, min_tensor_size_to_offload=1
+    )
+    for _ in range(3):
+        with ctx:
+            y = layer(x)
+        y = sync(y)
+        manual.start_offload_layer(0)
+        manual.release_activation_forward_gpu_memory(0)
+        # The offloaded projection's memory is free now: poison it, so that the reload
+        # buffer (same size, allocated next) starts out as NaN.
+        torch.full((4096, 3 * 4096), float("nan"), device=DEV)
+        manual.start_reload_layer(0)
+        got = grads(y.square().sum())
+        assert manual.transport.bytes_offloaded > 4096 * 3 * 4096 * 4
+        for g, r in zip(got, ref, strict=True):
+            assert torch.equal(g, r)

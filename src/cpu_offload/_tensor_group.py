@@ -20,7 +20,7 @@ never changed behind a kernel's back.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -65,7 +65,11 @@ class Unit:
     copied: object | None = None  # event: offload copy done
     reloaded: torch.Tensor | None = None
     restored: object | None = None  # event: reload copy done
-    waited: bool = False
+    #: The stream ``reloaded`` was allocated on, and the streams that waited for
+    #: ``restored``: backward runs each node on its forward's stream, so one reloaded
+    #: tensor may be read on several.
+    home: Hashable = None
+    waited: set[Hashable] = field(default_factory=set)
     pending_pops: int = 0
 
     @property

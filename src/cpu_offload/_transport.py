@@ -17,6 +17,7 @@ so that a steady-state step allocates no new pinned memory.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
@@ -180,6 +181,17 @@ class Transport(ABC):
         """Make the compute stream wait for ``event``."""
 
     @abstractmethod
+    def current_stream(self) -> Hashable:
+        """The stream work is queued on now, as a key (backward may run on several)."""
+
+    @abstractmethod
+    def use_on_current_stream(self, tensor: torch.Tensor) -> None:
+        """Keep ``tensor``'s memory from reuse until the current stream's queued work ran.
+
+        For a tensor allocated on another stream (``Tensor.record_stream``).
+        """
+
+    @abstractmethod
     def offload(self, src: torch.Tensor, ready: object | None, dst: torch.Tensor) -> object | None:
         """Copy device tensor ``src`` into host tensor ``dst`` once ``ready`` has passed.
 
@@ -251,6 +263,12 @@ class CudaTransport(Transport):
         end.record(stream)
         self.timeline.append(TimedSpan("stall", 0, start, end))
 
+    def current_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream()
+
+    def use_on_current_stream(self, tensor: torch.Tensor) -> None:
+        tensor.record_stream(torch.cuda.current_stream())
+
     def _copy(self, kind: str, stream: torch.cuda.Stream, src: torch.Tensor, dst: torch.Tensor):
         nbytes = dst.numel() * dst.element_size()
         with torch.cuda.stream(stream):
@@ -308,6 +326,12 @@ class HostTransport(Transport):
         return None
 
     def wait(self, event: object | None) -> None:
+        return None
+
+    def current_stream(self) -> Hashable:
+        return None  # one stream: CPU operations run in order
+
+    def use_on_current_stream(self, tensor: torch.Tensor) -> None:
         return None
 
     def offload(self, src: torch.Tensor, ready: object | None, dst: torch.Tensor) -> None:

@@ -250,7 +250,24 @@ class OffloadableLayerState:
         unit.restored = self.transport.reload(
             HostBufferPool.view(unit.host, unit.layout), unit.reloaded
         )
-        unit.waited = False
+        unit.home = self.transport.current_stream()
+        unit.waited = set()
+
+    def _join_reload(self, unit: Unit, *, reads: bool = False) -> None:
+        """Make the current stream wait for ``unit``'s reload copy, once per stream.
+
+        ``reads``: the current stream is about to read the reloaded tensor.
+        """
+        if unit.restored is None:
+            return
+        stream = self.transport.current_stream()
+        if stream not in unit.waited:
+            self.transport.wait(unit.restored)
+            unit.waited.add(stream)
+        if reads and stream != unit.home and unit.reloaded is not None:
+            # Read on a stream other than the one it was allocated on: the allocator
+            # must not hand its memory out before this stream's reads have run.
+            self.transport.use_on_current_stream(unit.reloaded)
 
     def pop_tensor(self, tensor_or_id: int | torch.Tensor) -> torch.Tensor:
         """Give back a tensor pushed earlier, waiting for its own reload if needed.
@@ -280,9 +297,7 @@ class OffloadableLayerState:
                 # ctx.saved_tensors twice): the host copy is still here, copy it again.
                 self._reload_unit(unit)
                 unit.pending_pops += 1
-            if not unit.waited:
-                self.transport.wait(unit.restored)
-                unit.waited = True
+            self._join_reload(unit, reads=True)
         out = self.processor.restore(self._plan, ref)
         for u in unit_ids:
             unit = self._plan.units[u]
@@ -313,9 +328,7 @@ class OffloadableLayerState:
         if self._plan is None:
             return
         for unit in self._plan.units:
-            if unit.restored is not None and not unit.waited:
-                self.transport.wait(unit.restored)
-                unit.waited = True
+            self._join_reload(unit)
 
     def release_all_memory(self) -> None:
         """Drop every tensor of this layer; host buffers go back to the pool unless retained.
@@ -327,8 +340,7 @@ class OffloadableLayerState:
             for unit in self._plan.units:
                 if unit.tensor is not None:
                     self.transport.wait(unit.copied)
-                if unit.restored is not None and not unit.waited:
-                    self.transport.wait(unit.restored)
+                self._join_reload(unit)
                 if (
                     unit.host is not None
                     and not self.retain_pinned_cpu_buffers
