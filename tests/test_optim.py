@@ -9,6 +9,7 @@ else is the code that runs on a GPU.
 
 from __future__ import annotations
 
+import gc
 import io
 import math
 from collections.abc import Callable
@@ -694,3 +695,63 @@ def test_host_throughput_and_state_bytes() -> None:
     opt = _CpuAsDevice(model.parameters(), offload_fraction=0.5, **ADAMW)
     _train(model, opt, 1)
     assert optimizer_device_state_bytes(opt) == 0
+
+
+def test_param_groups_given_as_generators_are_trained():
+    # model.parameters() in a group dict is a generator: counting it must not use it up.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    opt = _CpuAsDevice(
+        [{"params": model.parameters(), "lr": 0.1}], offload_fraction=0.5, weight_decay=0.0
+    )
+    assert sum(len(g["params"]) for g in opt.param_groups) == 2
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+
+
+def test_dropped_optimizer_takes_its_gradient_hooks_away():
+    model = torch.nn.Linear(1024, 1024, bias=False)  # above the early-copy threshold
+    for _ in range(3):
+        opt = _CpuAsDevice(model.parameters(), offload_fraction=1.0, lr=1e-3)
+        assert len(model.weight._post_accumulate_grad_hooks or {}) == 1
+        model(torch.randn(2, 1024)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        del opt
+        gc.collect()
+        assert len(model.weight._post_accumulate_grad_hooks or {}) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_data_edit_that_cancels_in_signed_codes_discards_the_early_copy(dtype):
+    # +1 and -4 have opposite signed bf16 codes (16256, -16256): zeroing both through
+    # .data (no version bump) kept a signed-code sum. The early copy must be discarded.
+    c = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(0)).to(dtype)
+    c[0, 0], c[0, 1] = 1.0, -4.0
+    p = torch.nn.Parameter(torch.zeros(1024, 1024, dtype=dtype))
+    opt = _CpuAsDevice([p], offload_fraction=1.0, lr=1.0)
+    (p * c).sum().backward()
+    version = p.grad._version
+    p.grad.data[0, :2] = 0.0
+    assert p.grad._version == version
+    opt.step()
+    assert opt.last_step_timings["early_copies_reused"] == 0
+    assert torch.equal(p.detach()[0, :2], torch.zeros(2, dtype=dtype))
+
+
+def test_fingerprint_sees_zeroing_scaling_and_single_edits():
+    g = torch.randn(70_000, generator=torch.Generator().manual_seed(1)).bfloat16()
+    base = _fingerprint(g)
+    assert torch.equal(base, _fingerprint(g.clone()))
+    for edit in (
+        lambda t: t.mul_(2.0),
+        lambda t: t.mul_(0.5),
+        lambda t: t.__setitem__(slice(0, 2), 0.0),
+        lambda t: t.__setitem__(69_999, t[69_999] + 1.0),
+        lambda t: t.neg_(),
+    ):
+        t = g.clone()
+        edit(t)
+        assert not torch.equal(_fingerprint(t), base)

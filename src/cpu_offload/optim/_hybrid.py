@@ -66,20 +66,39 @@ _CopyDtype = Literal["master", "param"]
 _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.int64}
 
 
-def _fingerprint(tensor: torch.Tensor) -> torch.Tensor:
-    """An exact checksum of ``tensor``'s bits: (wrapping sum, max, min) of its elements
-    read as integers of their own width, as int64, on the tensor's device.
+_FINGERPRINT_CHUNK = 1 << 24  # elements widened at a time: bounds the temporary memory
+_FINGERPRINT_ROW = 1 << 15  # 2^15 unsigned 16-bit codes sum below 2^31: int32 rows
 
-    Exact integer reductions give the same answer on the host copy and on the device
-    tensor, whatever the reduction order or alignment, and need no widened copy. The sum
-    catches edits of single elements; max and min catch uniform power-of-2 scaling
-    (``GradScaler``), which shifts every element's integer by the same amount and can
-    leave a wrapping sum unchanged.
+
+def _fingerprint(tensor: torch.Tensor) -> torch.Tensor:
+    """An exact checksum of ``tensor``'s bits, as int64 ``(sum, max, min)``, on its device.
+
+    Each element's bits are read as *unsigned* integers of its width (8-byte elements
+    as two 4-byte halves) and summed exactly in int64. Signed codes would let +x
+    and a negative value mirror each other and cancel when both are zeroed; unsigned
+    codes are all positive, so zeroing any nonzero elements, any single-element edit
+    and any uniform power-of-2 scaling (which adds the same amount to every nonzero
+    code) change the sum. Integer reductions are exact in any order, so the value does
+    not depend on the reduction's layout. Max and min of the signed codes come on top.
     """
     if tensor.numel() == 0:
         return torch.zeros(3, dtype=torch.int64, device=tensor.device)
-    ints = tensor.detach().reshape(-1).view(_INT_VIEW[tensor.element_size()])
-    return torch.stack([ints.sum(dtype=ints.dtype), ints.amax(), ints.amin()]).to(torch.int64)
+    flat = tensor.detach().reshape(-1)
+    ints = flat.view(_INT_VIEW[tensor.element_size()])
+    # Wider elements are summed as their 4-byte halves, so that the sum stays exact.
+    width = min(tensor.element_size(), 4)
+    words = (flat if width == tensor.element_size() else flat.contiguous()).view(_INT_VIEW[width])
+    total = torch.zeros((), dtype=torch.int64, device=tensor.device)
+    mask = (1 << (8 * width)) - 1
+    for chunk in words.split(_FINGERPRINT_CHUNK):
+        if width <= 2:
+            codes = chunk.to(torch.int32).bitwise_and_(mask)
+            full = codes.numel() - codes.numel() % _FINGERPRINT_ROW
+            rows = codes[:full].view(-1, _FINGERPRINT_ROW).sum(1, dtype=torch.int32)
+            total += rows.sum(dtype=torch.int64) + codes[full:].sum(dtype=torch.int64)
+        else:
+            total += chunk.to(torch.int64).bitwise_and_(mask).sum()
+    return torch.stack([total, ints.amax().to(torch.int64), ints.amin().to(torch.int64)])
 
 
 def _widen_after_copy(
@@ -293,6 +312,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self.last_step_timings: dict[str, float] = {}
         self._executor: ThreadPoolExecutor | None = None
         self._hook_handles: list[Any] = []
+        # A dropped optimizer takes its hooks off the parameters it leaves behind.
+        weakref.finalize(self, _remove_hooks, self._hook_handles)
         self._generation = 0
         self._entries: list[_Entry] = []
         self._host_subs: list[_Sub] = []
@@ -372,7 +393,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         checkpoint that needs the state tensors to exist). Unlike Megatron's, which steps
         with random gradients, this steps with zero gradients and a learning rate of 0,
         so parameters keep their exact values; state is created as after one step (step
-        count 1, zero moments). Existing gradients are restored afterwards.
+        count 1). Its values are those of a step on zero gradients: zero moments for
+        AdamW, but a coupled weight decay (SGD's, Adam's L2 mode) puts the decay term into
+        the moments. A checkpoint loaded afterwards replaces them. Existing gradients are
+        restored afterwards.
         """
         saved_grads = [p.grad for g in self.param_groups for p in g["params"]]
         saved_lrs = [g.get("lr") for g in self.param_groups]
@@ -471,9 +495,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         return {p: dict(s) for p, s in self.state.items() if s}
 
     def _teardown(self) -> None:
-        for handle in self._hook_handles:
-            handle.remove()
-        self._hook_handles = []
+        _remove_hooks(self._hook_handles)
         for entry in self._entries:
             if entry.pending is not None:
                 entry.pending.result()
@@ -938,6 +960,12 @@ def _check_optimizer_cls(
     return cls
 
 
+def _remove_hooks(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
+
+
 def _materialize(params: ParamsT) -> list[Any]:
     if isinstance(params, torch.Tensor):
         raise TypeError(
@@ -946,10 +974,14 @@ def _materialize(params: ParamsT) -> list[Any]:
         )
     items = list(params)
     count = 0
-    for item in items:
+    for i, item in enumerate(items):
         if isinstance(item, Mapping):
             group_params = item.get("params", [])
-            count += 1 if isinstance(group_params, torch.Tensor) else len(list(group_params))
+            if not isinstance(group_params, torch.Tensor):
+                # A generator (model.parameters()) can be read once: keep the list.
+                group_params = list(group_params)
+                items[i] = {**item, "params": group_params}
+            count += 1 if isinstance(group_params, torch.Tensor) else len(group_params)
         else:
             count += 1
     if count == 0:
