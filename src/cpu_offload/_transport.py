@@ -348,6 +348,24 @@ class HostTransport(Transport):
         return None
 
 
+def resolve_transport(
+    transport: object, offload_stream: torch.cuda.Stream | None = None
+) -> Transport:
+    """``transport`` checked, or the default one when it is None.
+
+    Raises:
+        TypeError: If ``transport`` is neither None nor a :class:`Transport`.
+    """
+    if transport is None:
+        return default_transport(offload_stream)
+    if not isinstance(transport, Transport):
+        raise TypeError(
+            "transport must be a cpu_offload Transport (CudaTransport or HostTransport) or "
+            f"None, got {type(transport).__name__} {transport!r}"
+        )
+    return transport
+
+
 def default_transport(offload_stream: torch.cuda.Stream | None = None) -> Transport:
     """The transport used when the caller names none.
 

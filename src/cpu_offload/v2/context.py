@@ -10,8 +10,9 @@ import torch
 
 from .._args import activations_requested, check_bool, check_int
 from .._selection import ActivationPolicy
-from .._state import ActiveHooks, active_context
-from .._transport import Transport, default_transport
+from .._state import ActiveHooks, ContextOwner, active_context
+from .._transport import Transport, resolve_transport
+from .._warn import warn_at_caller
 from .schedule import (
     check_layer_counts,
     default_synchronization_dict,
@@ -44,6 +45,7 @@ class OffloadContext:
         self._refused = False  # the last __enter__ was refused for a missing sync
         self.layer_id: int | None = None
         self._hooks: ActiveHooks | None = None
+        self._owner = ContextOwner()
 
     def is_current_layer_offloaded(self) -> bool:
         return self.layer_id is not None and self.offload_synchronizer.is_layer_offloaded(
@@ -51,8 +53,15 @@ class OffloadContext:
         )
 
     def __enter__(self) -> OffloadContext:
-        if self.inside_context:
-            raise RuntimeError("the CPU offload context is already entered (nested `with`)")
+        self._owner.claim(self.awaiting_sync)
+        try:
+            self._enter()
+        except BaseException:
+            self._owner.release()
+            raise
+        return self
+
+    def _enter(self) -> None:
         if self.awaiting_sync:
             if not self._refused:
                 # Refused once; calling sync_function continues this iteration, while
@@ -72,7 +81,7 @@ class OffloadContext:
             self._hooks = ActiveHooks(self)
             self._hooks.__enter__()
             self.inside_context = True
-            return self
+            return
         sync = self.offload_synchronizer
         try:
             layer = sync.fwd_step()
@@ -80,13 +89,12 @@ class OffloadContext:
             # Leave nothing behind: the next forward starts a fresh iteration at layer 0.
             sync.start_new_iteration()
             raise
-        hooks = ActiveHooks(self, sync.push_tensor, sync.pop_tensor)
+        hooks = ActiveHooks(self, sync.pack_hook, sync.pop_tensor)
         hooks.__enter__()  # last step: nothing after it can fail
         self._hooks = hooks
         self.layer_id = layer
         self.awaiting_sync = True
         self.inside_context = True
-        return self
 
     def __exit__(
         self,
@@ -95,6 +103,7 @@ class OffloadContext:
         tb: TracebackType | None,
     ) -> None:
         self.inside_context = False
+        self._owner.release()
         hooks, self._hooks = self._hooks, None
         if hooks is None:
             return
@@ -131,6 +140,7 @@ class SyncFunction:
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
         ctx = self.context
+        ctx._owner.check_caller("synced")
         if ctx.inside_context:
             raise RuntimeError(
                 "sync_function must be called outside the CPU offload context, on the "
@@ -191,8 +201,8 @@ def get_cpu_offload_context(
         model_layers: Total number of layers run under the context (n). Must be right.
         offload_activations: Legacy; must be True for anything to be offloaded.
         offload_weights: Legacy; True warns (``DeprecationWarning``) and has no effect.
-        double_buffering: Legacy; accepted and ignored (V2 allocates reload buffers on the
-            compute stream, which makes double buffering unnecessary).
+        double_buffering: Legacy; True warns and has no effect (V2 allocates reload
+            buffers on the compute stream, which makes double buffering unnecessary).
         manual_synchronization: Return a :class:`ManualOffloadSynchronizer` as third
             value and let the caller decide when each layer moves.
         retain_pinned_cpu_buffers: Keep each layer's pinned host buffers at fixed
@@ -245,9 +255,14 @@ def get_cpu_offload_context(
         raise TypeError(
             f"offload_stream must be a torch.cuda.Stream or None, got {type(offload_stream).__name__}"
         )
-    if transport is not None and not isinstance(transport, Transport):
-        raise TypeError(
-            f"transport must be a cpu_offload Transport, got {type(transport).__name__}"
+    if transport is not None:
+        resolve_transport(transport)
+    if double_buffering and enabled:
+        warn_at_caller(
+            "double_buffering=True has no effect under the V2 backend (it allocates every "
+            "reload buffer on the compute stream, which makes double buffering "
+            "unnecessary): drop the argument, or set NVTE_CPU_OFFLOAD_V1=1 for V1's "
+            "double-buffered handler"
         )
 
     disabled: tuple[Any, ...] = (contextlib.nullcontext(), _identity)
@@ -279,7 +294,7 @@ def get_cpu_offload_context(
         k, _ = check_layer_counts(num_layers, model_layers)
         schedule = default_synchronization_dict(k, model_layers)
 
-    transport = transport if transport is not None else default_transport(offload_stream)
+    transport = resolve_transport(transport, offload_stream)
     policy = ActivationPolicy(min_tensor_size_to_offload, transport.accepts)
     synchronizer: OffloadSynchronizer
     if manual_synchronization:

@@ -15,7 +15,7 @@ from .._transport import (
     HostBufferPool,
     TensorLayout,
     Transport,
-    default_transport,
+    resolve_transport,
 )
 
 __all__ = ["LayerPhase", "OffloadableLayerState"]
@@ -53,6 +53,7 @@ class OffloadableLayerState:
         processor: Tensor-group processor (shared by the layers of one synchronizer).
 
     Example:
+        >>> from cpu_offload import HostTransport
         >>> state = OffloadableLayerState(None, transport=HostTransport())
         >>> x = torch.randn(1024, 1024)
         >>> tid = state.push_tensor(x)
@@ -71,7 +72,7 @@ class OffloadableLayerState:
         processor: TensorGroupProcessor | None = None,
         name: str = "layer",
     ) -> None:
-        self.transport = transport if transport is not None else default_transport(offload_stream)
+        self.transport = resolve_transport(transport, offload_stream)
         self.retain_pinned_cpu_buffers = retain_pinned_cpu_buffers
         self.policy = policy if policy is not None else self.transport.accepts
         self.processor = processor if processor is not None else TensorGroupProcessor()
@@ -187,16 +188,6 @@ class OffloadableLayerState:
                 f"iteration, but {self.name} now saves blocks of {wanted} bytes where its "
                 f"retained host buffers hold {self._retained_sizes} bytes. Keep shapes fixed, "
                 "or create the offload context with retain_pinned_cpu_buffers=False."
-            )
-        return self._retained
-        wanted = [u.nbytes for u in units]
-        have = [b.numel() for b in self._retained]
-        if wanted != have:
-            raise RuntimeError(
-                f"retain_pinned_cpu_buffers=True needs the same saved tensors every "
-                f"iteration, but {self.name} now saves blocks of {wanted} bytes where its "
-                f"retained host buffers hold {have} bytes. Keep shapes fixed, or create the "
-                "offload context with retain_pinned_cpu_buffers=False."
             )
         return self._retained
 
