@@ -13,9 +13,9 @@ from typing import Any
 import torch
 
 from . import v1, v2
+from ._args import check_bool, check_int
 from ._selection import mark_activation_offload, mark_not_offload
 from ._state import is_cpu_offload_enabled, is_current_layer_offloaded
-from ._args import check_bool, check_int
 from ._switch import ENV_VAR, use_v1
 from ._transport import CudaTransport, HostBufferPool, HostTransport, Transport
 from ._warn import warn_at_caller
@@ -101,7 +101,7 @@ def get_cpu_offload_context(
         TypeError: If a V2 tuning argument has the wrong type under V1.
 
     Example:
-        >>> ctx, sync = get_cpu_offload_context(enabled=True, num_layers=1, model_layers=2)
+        >>> ctx, sync = get_cpu_offload_context(enabled=True, num_layers=2, model_layers=4)
     """
     if not use_v1():
         return v2.get_cpu_offload_context(
