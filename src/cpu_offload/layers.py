@@ -23,7 +23,7 @@ from ._layer_stack import check_indices, find_layers, offload_schedule
 from ._marking import MarkOutputs
 from ._switch import ENV_VAR, use_v1
 
-__all__ = ["OffloadedLayers", "offload_layers"]
+__all__ = ["OffloadedLayers", "offload_layers", "sync_first"]
 
 # Arguments offload_layers computes itself from the layers and the indices.
 _OWN_ARGUMENTS = (
@@ -35,7 +35,7 @@ _OWN_ARGUMENTS = (
 )
 
 
-def _sync_first(out: Any, sync: Callable[[torch.Tensor], torch.Tensor], index: int) -> Any:
+def sync_first(out: Any, sync: Callable[[torch.Tensor], torch.Tensor], index: int) -> Any:
     """Pass the hidden state in ``out`` through ``sync``: ``out`` itself, or its first element."""
     if isinstance(out, torch.Tensor):
         return sync(out)
@@ -110,7 +110,7 @@ class _Runner:
             out = run()
         assert self.sync is not None
         try:
-            out = _sync_first(out, self.sync, index)
+            out = sync_first(out, self.sync, index)
         except TypeError:
             self._restart()
             raise
