@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ._layer_stack import check_indices, find_layers, offload_schedule
+from ._log import logger
 from ._marking import MarkOutputs
 from ._switch import ENV_VAR, use_v1
 
@@ -204,6 +205,7 @@ class OffloadedLayers:
             else:
                 del layer.__dict__["forward"]
         self._installed.clear()
+        logger.debug("offload_layers: removed from %d layers", self.num_layers)
 
     def __enter__(self) -> OffloadedLayers:
         return self
@@ -371,4 +373,5 @@ def offload_layers(
     handle = OffloadedLayers(layers, offloaded_set, recomputed_set, backend, context, sync)
     runner = _Runner(context, sync, offloaded_set, recomputed_set, n, mark_outputs=v1)
     handle._install(runner)
+    logger.debug("offload_layers: %r", handle)
     return handle
