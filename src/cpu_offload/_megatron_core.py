@@ -41,7 +41,7 @@ class _ContextFunction:
     ) -> Any:
         import cpu_offload
 
-        extra = {} if self.transport is None else {"transport": self.transport}
+        extra: dict[str, Any] = {} if self.transport is None else {"transport": self.transport}
         return cpu_offload.get_cpu_offload_context(
             enabled,
             num_layers,
