@@ -262,7 +262,8 @@ def test_model_overrides_select_k_and_layers(tmp_path):
     layers = select_from_overrides(
         ["model.num_layers=3"], layers=None, offloaded=None, default_layers=6
     )
-    assert (layers.layers, layers.num_offloaded) == (3, 2)
+    # The default k fits the layers: 1 of 3 (2 would leave no room for overlap).
+    assert (layers.layers, layers.num_offloaded) == (3, 1)
     # The same value through the flag and the override is fine.
     same = select_from_overrides(
         ["model.cpu_offloading_num_layers=3", "model.cpu_offloading_weights=false"],

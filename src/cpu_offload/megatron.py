@@ -21,16 +21,19 @@ from typing import Any, TypeVar
 
 import torch
 
+from cpu_offload._megatron_core import MegatronCoreOffload, use_with_megatron_core
 from cpu_offload.optim import HybridDeviceOptimizer
 
 __all__ = [
     "ActivationOffloadConfig",
+    "MegatronCoreOffload",
     "OptimizerOffloadConfig",
     "apply_overrides",
     "build_optimizer",
     "offload_context",
     "optimizer_class",
     "parse_override",
+    "use_with_megatron_core",
 ]
 
 _C = TypeVar("_C", "ActivationOffloadConfig", "OptimizerOffloadConfig")

@@ -466,6 +466,7 @@ def _notes(spec: ModelSpec, stand_in: bool, masters: bool) -> list[str]:
             "No GPU: the optimizer ran on the CPU as a STAND-IN that treats CPU parameters as "
             "device parameters. The split, the state accounting and the differences are "
             "real; 'GPU MiB' is what would stay on the GPU, by accounting; step times are "
-            "CPU times and NOT representative of a GPU."
+            "CPU times and NOT representative of a GPU, so no ratio to no offloading is "
+            "shown for them."
         )
     return notes
