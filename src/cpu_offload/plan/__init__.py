@@ -1,0 +1,1 @@
+"""Plan activation memory per layer: keep, offload or recompute, for a memory budget."""
