@@ -17,26 +17,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .. import v1, v2
-from .._selection import is_marked_for_offload, mark_activation_offload
+from .._marking import MarkOutputs as _MarkOutputs
+from .._selection import is_marked_for_offload
 from .._transport import Transport
 
 __all__ = ["VARIANTS", "Variant", "make_variant"]
-
-
-class _MarkOutputs(torch.overrides.TorchFunctionMode):
-    """Marks every tensor computed inside as an activation (V1 needs marked tensors).
-
-    Transformer Engine's modules mark their activations themselves; plain PyTorch
-    layers do not, so the comparison marks whatever the layer computes.
-    """
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        if isinstance(out, torch.Tensor):
-            mark_activation_offload(out)
-        elif isinstance(out, (tuple, list)):
-            mark_activation_offload(*[o for o in out if isinstance(o, torch.Tensor)])
-        return out
 
 
 class _MarkedAndLarge:
