@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .._layer_stack import offload_schedule as layer_stack_schedule
 from ..v2.schedule import Point, Schedule, SyncDict, validate_synchronization_dict
 
 __all__ = [
@@ -184,9 +185,10 @@ def check_choices(choices: Sequence[object], num_layers: int) -> tuple[Choice, .
 def offload_schedule(choices: Sequence[Choice]) -> SyncDict:
     """The synchronization dict of the offloaded layers of ``choices``.
 
-    The default schedule generalized to any set: the ``i``-th of ``m`` offloaded layers
-    (in forward order) finishes its offload before the forward of layer ``n-m+i`` and
-    starts its reload when the backward of layer ``n-m+i-1`` starts. With the first ``k``
+    The schedule :func:`cpu_offload.offload_layers` gives an explicit set of layers: the
+    default schedule generalized, where the ``i``-th of ``m`` offloaded layers (in
+    forward order) finishes its offload before the forward of layer ``n-m+i`` and starts
+    its reload when the backward of layer ``n-m+i-1`` starts. With the first ``k``
     layers offloaded this is the default schedule.
 
     Args:
@@ -200,10 +202,8 @@ def offload_schedule(choices: Sequence[Choice]) -> SyncDict:
         {0: (True, 2, False, 1)}
     """
     n = len(choices)
-    offloaded = [j for j, c in enumerate(choices) if c is Choice.OFFLOAD]
-    m = len(offloaded)
-    sync = {layer: (True, n - m + i, False, n - m + i - 1) for i, layer in enumerate(offloaded)}
-    return validate_synchronization_dict(sync, n)
+    offloaded = frozenset(j for j, c in enumerate(choices) if c is Choice.OFFLOAD)
+    return validate_synchronization_dict(layer_stack_schedule(offloaded, n), n)
 
 
 #: Bytes left below which a copy counts as done (float rounding of the fluid model).

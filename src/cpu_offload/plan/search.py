@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .model import Choice, Estimate, Profile, check_choices, estimate
 
@@ -34,12 +34,15 @@ class Plan:
         budget_bytes: The device-memory budget the plan was made for.
         step_ms: Modelled step time.
         peak_bytes: Modelled peak device memory.
+        profile: The profile it was made from (saved with it, so that it can be made
+            again for another budget without profiling), or None.
     """
 
     choices: tuple[Choice, ...]
     budget_bytes: int
     step_ms: float
     peak_bytes: int
+    profile: Profile | None = field(default=None, compare=False, repr=False)
 
     @property
     def offloaded(self) -> tuple[int, ...]:
@@ -114,7 +117,7 @@ class _Scorer:
                 "batch"
             )
         _, choices, est = self.best
-        return Plan(choices, self.budget, est.step_ms, est.peak_bytes)
+        return Plan(choices, self.budget, est.step_ms, est.peak_bytes, self.profile)
 
 
 def _valid(choices: tuple[Choice, ...]) -> bool:
