@@ -125,6 +125,9 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     c.add_argument("--json", metavar="PATH", help="write the full report as JSON")
     c.add_argument("--plot", metavar="PATH.png", help="draw the timeline of one step and memory")
     c.add_argument("--quiet", action="store_true", help="no progress lines")
+    from .plan.cli import add_plan_parser
+
+    add_plan_parser(sub)
     return parser, c
 
 
@@ -142,6 +145,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     # them as the positional, the later ones come back unparsed (and are checked by
     # parse_override like the others).
     args, extra = parser.parse_known_args(argv)
+    if args.command == "plan":
+        from .plan.cli import run_plan
+
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        return run_plan(args)
     unknown = [e for e in extra if e.startswith("-")]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")

@@ -26,7 +26,7 @@ from .._tensor_group import SavedEntry, TensorGroupProcessor
 from ..v2.context import DEFAULT_MIN_TENSOR_SIZE
 from .model import LayerCost, Link, Profile
 
-__all__ = ["measure_host_link", "profile_model"]
+__all__ = ["measure_choices", "measure_host_link", "profile_model"]
 
 
 class _Clock:
@@ -195,6 +195,22 @@ def _timed_step(
     return probe, clock.ms(start, end), fwd, bwd
 
 
+def _with_grads(
+    model_or_layers: nn.Module | Iterable[nn.Module], layers: Sequence[nn.Module]
+) -> list[nn.Parameter]:
+    """The trainable parameters, each given a zero gradient if it has none.
+
+    Gradients then exist when a step starts, as in steady training, so that they count
+    as static memory and not as the step's.
+    """
+    modules = [model_or_layers] if isinstance(model_or_layers, nn.Module) else layers
+    params = [p for m in modules for p in m.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    return params
+
+
 def _saved_bytes(saved: list[torch.Tensor], policy: ActivationPolicy) -> tuple[int, int]:
     """(distinct bytes saved, bytes the engine would offload) of one layer."""
     storages: dict[int, int] = {}
@@ -301,15 +317,10 @@ def profile_model(
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
     layers = find_layers(model_or_layers)
-    params = [p for layer in layers for p in layer.parameters() if p.requires_grad]
-    if isinstance(model_or_layers, nn.Module):
-        params = [p for p in model_or_layers.parameters() if p.requires_grad]
+    params = _with_grads(model_or_layers, layers)
     device = params[0].device if params else torch.device("cpu")
     cuda = device.type == "cuda"
     clock = _Clock(cuda)
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
     for _ in range(warmup):
         _timed_step(layers, step, clock)
     runs = [_timed_step(layers, step, clock) for _ in range(steps)]
@@ -355,3 +366,65 @@ def profile_model(
         other_ms=max(step_ms - sum(fwd) - sum(bwd), 0.0),
         device=name,
     )
+
+
+def measure_choices(
+    model_or_layers: nn.Module | Iterable[nn.Module],
+    step: Callable[[], torch.Tensor],
+    choices: Sequence[object],
+    *,
+    steps: int = 3,
+    warmup: int = 1,
+    **context_kwargs: Any,
+) -> tuple[float, int | None]:
+    """Run ``choices`` for a few steps: median step ms and peak device memory.
+
+    Args:
+        model_or_layers: The model or its layers.
+        step: Runs the forward and returns the loss (its backward is run here).
+        choices: Keep, offload or recompute per layer.
+        steps: Timed steps.
+        warmup: Untimed steps first.
+        **context_kwargs: Passed to :func:`cpu_offload.offload_layers`.
+
+    Returns:
+        ``(step_ms, peak_bytes)``: the peak is ``torch.cuda.max_memory_allocated`` over
+        the timed steps on CUDA (static memory included), None on the CPU.
+
+    Raises:
+        ValueError: On invalid choices (see :func:`cpu_offload.plan.model.check_choices`).
+
+    Example:
+        >>> layers = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(3)])
+        >>> x = torch.randn(512, 64)
+        >>> ms, peak = measure_choices(layers, lambda: layers(x).sum(), ["recompute"] * 3)
+        >>> peak is None
+        True
+    """
+    from ..layers import offload_layers
+    from .model import Choice, check_choices
+
+    layers = find_layers(model_or_layers)
+    plan = check_choices(choices, len(layers))
+    offloaded = [j for j, c in enumerate(plan) if c is Choice.OFFLOAD]
+    recomputed = [j for j, c in enumerate(plan) if c is Choice.RECOMPUTE]
+    params = _with_grads(model_or_layers, layers)
+    cuda = any(p.is_cuda for p in params)
+    clock = _Clock(cuda)
+    times = []
+    with offload_layers(layers, offloaded=offloaded, recomputed=recomputed, **context_kwargs):
+        for i in range(warmup + steps):
+            if i == warmup and cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            if cuda:
+                torch.cuda.synchronize()
+            start = clock.now()
+            step().backward()
+            end = clock.now()
+            if cuda:
+                torch.cuda.synchronize()
+            if i >= warmup:
+                times.append(clock.ms(start, end))
+    peak = torch.cuda.max_memory_allocated() if cuda else None
+    return statistics.median(times), peak
