@@ -147,3 +147,26 @@ def test_profile_step_that_skips_layers() -> None:
     x = _batches()[0]
     with pytest.raises(ValueError, match="did not run every layer"):
         profile_model(model, lambda: model.layers[0](x).sum(), steps=1, recompute=False)
+
+
+@pytest.mark.parametrize("letters", ["OKRK", "RRKK", "KKKK"])
+def test_compare_plan_variant_is_bit_identical(letters: str) -> None:
+    from cpu_offload.compare.runner import _one_step
+    from cpu_offload.compare.variants import make_variant
+    from cpu_offload.models import ModelSpec, build_layers
+    from cpu_offload.plan.compare import plan_variant
+
+    by_letter = {c.value[0].upper(): c for c in Choice}
+    plan = Plan(tuple(by_letter[c] for c in letters), 1, 0.0, 0)
+    spec = ModelSpec(kind="encoder", hidden=32, heads=2, seq=16, batch=2, layers=4)
+    layers = build_layers(spec, "cpu")
+
+    def make_input() -> torch.Tensor:
+        return spec.make_input("cpu")
+
+    ref = _one_step(make_variant("none", 4, 0, MIN), layers, make_input, False, True)
+    variant = plan_variant(plan)(4, 0, MIN, HostTransport)
+    got = _one_step(variant, layers, make_input, False, True)
+    assert torch.equal(got.loss, ref.loss)
+    assert all(torch.equal(a, b) for a, b in zip(got.grads, ref.grads, strict=True))
+    assert sum(t.bytes_offloaded for t in variant.transports) > 0 or "O" not in letters
