@@ -203,6 +203,9 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         help="draw the timeline of one step and memory (needs matplotlib; its folder must exist)",
     )
     c.add_argument("--quiet", action="store_true", help="no progress lines")
+    from .plan.cli import add_plan_parser
+
+    add_plan_parser(sub)
     return parser, c
 
 
@@ -232,6 +235,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     # them as the positional, the later ones come back unparsed (and are checked by
     # parse_override like the others).
     args, extra = parser.parse_known_args(argv)
+    if args.command == "plan":
+        from .plan.cli import run_plan
+
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        return run_plan(args)
     unknown = [e for e in extra if e.startswith("-")]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
