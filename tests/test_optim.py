@@ -147,6 +147,8 @@ def test_our_keywords_checked() -> None:
         HybridDeviceOptimizer(_model().parameters(), grad_copy_dtype=torch.float32)
     with pytest.raises(TypeError, match="early_grad_copy"):
         HybridDeviceOptimizer(_model().parameters(), early_grad_copy="yes")
+    with pytest.raises(TypeError, match="is_device_param must be a callable"):
+        HybridDeviceOptimizer(_model().parameters(), is_device_param=True)
 
 
 def test_constructor_signature_is_megatrons() -> None:

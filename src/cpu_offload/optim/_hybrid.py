@@ -33,7 +33,7 @@ import torch
 
 from cpu_offload._compat import fused_optimizer_supported, is_current_stream_capturing
 
-from ._split import check_offload_fraction, compute_offload_split
+from ._split import check_offload_fraction, compute_offload_split, is_device_tensor
 
 __all__ = ["HybridDeviceOptimizer"]
 
@@ -154,6 +154,18 @@ class _Entry:
     h2d_event: torch.cuda.Event | None = None
     widened: bool = False
     optimizer: torch.optim.Optimizer | None = None
+    # The parameter's version counter when inner last matched it (after a copy either
+    # way); another value means someone else wrote the parameter (a model's
+    # load_state_dict after the optimizer's, an in-place edit) and inner must follow.
+    param_version: int = -1
+
+    def note_param_written(self) -> None:
+        self.param_version = self.param._version
+
+    @property
+    def has_copy(self) -> bool:
+        """Whether the sub-optimizer steps a copy (host copy or fp32 master)."""
+        return self.inner is not self.param
 
 
 @dataclass(eq=False)
@@ -202,7 +214,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     ``state`` maps each parameter to its state (host tensors for offloaded parameters);
     ``state_dict()`` is keyed like a plain optimizer's and loads into one, and the reverse.
 
-    Beyond Megatron's, three keyword arguments are taken out of ``**defaults``:
+    Beyond Megatron's, four keyword arguments are taken out of ``**defaults``:
 
     * ``early_grad_copy`` (bool, default True): with ``overlap_cpu_optimizer_d2h_h2d``,
       start each offloaded gradient's copy to the host as soon as backward has
@@ -224,7 +236,18 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
       narrows on the device; ``"param"`` narrows on the host and sends the parameter's
       own dtype (half the PCIe bytes).
 
+    * ``is_device_param`` (callable or None): tells device parameters, which may be
+      offloaded, from host ones, which are stepped in place by the host optimizer; by
+      default any parameter not on the CPU is a device parameter.
+
     Without a host fp32 master, gradients and parameters always travel in their own dtype.
+
+    Parameters written outside the optimizer (``model.load_state_dict`` before or after
+    the optimizer's, an in-place edit under ``torch.no_grad()``) are seen by the next
+    ``step()`` or ``state_dict()`` through their version counter, so resuming from a
+    checkpoint is exact in either load order. A fp32 master whose rounding equals the
+    written parameter is kept. Writes through ``param.data`` bypass the version counter
+    and are not seen.
 
     Args:
         params: Parameters or param-group dicts, as for any optimizer.
@@ -239,8 +262,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             soon as its gradients have arrived, its copy back overlapping later steps.
             Off: one host optimizer, copies on the current stream.
         **defaults: Hyperparameters (lr, betas, eps, weight_decay, momentum, fused, ...)
-            for both sub-optimizers, plus ``early_grad_copy``, ``grad_copy_dtype`` and
-            ``param_copy_dtype``.
+            for both sub-optimizers, plus ``early_grad_copy``, ``grad_copy_dtype``,
+            ``param_copy_dtype`` and ``is_device_param``.
             When neither ``fused`` nor ``foreach`` is given, PyTorch's Adam, AdamW and SGD
             use their fused kernels on each side where the running PyTorch has them.
 
@@ -287,6 +310,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         ):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+        is_device_param = defaults.pop("is_device_param", None)
+        if is_device_param is not None and not callable(is_device_param):
+            raise TypeError(
+                "is_device_param must be a callable taking a tensor and returning a bool, "
+                f"or None, got {type(is_device_param).__name__}"
+            )
         early_grad_copy = defaults.pop("early_grad_copy", True)
         if not isinstance(early_grad_copy, bool):
             raise TypeError(f"early_grad_copy must be a bool, got {type(early_grad_copy).__name__}")
@@ -305,6 +334,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self.pin_cpu_params = pin_cpu_params
         self.overlap_cpu_optimizer_d2h_h2d = overlap_cpu_optimizer_d2h_h2d
         self.early_grad_copy = early_grad_copy
+        #: Which parameters count as device parameters, eligible for offloading.
+        self.is_device_param: Callable[[torch.Tensor], bool] = (
+            is_device_tensor if is_device_param is None else is_device_param
+        )
         self.grad_copy_dtype: _CopyDtype = copy_dtypes["grad_copy_dtype"]
         self.param_copy_dtype: _CopyDtype = copy_dtypes["param_copy_dtype"]
         self.sub_optimizer_kwargs = dict(defaults)
@@ -370,6 +403,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._sync_hyperparameters()
+        self._adopt_param_writes()
         self._step_all()
         self._refresh_state()
         return loss
@@ -427,6 +461,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             device tensors for the others, plus ``master_param`` (the fp32 master copy)
             for parameters updated through one.
         """
+        self._adopt_param_writes()
         self._refresh_state()
         groups: list[dict[str, Any]] = []
         index = 0
@@ -483,14 +518,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ test seam
 
     def _is_device_param(self, param: torch.Tensor) -> bool:
-        # Which parameters count as "device" parameters eligible for offloading. Real use:
-        # anything not on the CPU. Tests without a GPU subclass this to treat CPU tensors
-        # as the device side; nothing in the package ever does.
-        return param.device.type != "cpu"
+        return bool(self.is_device_param(param))
 
     # ------------------------------------------------------------------ building
 
     def _state_by_param(self) -> dict[torch.Tensor, dict[str, Any]]:
+        self._adopt_param_writes()
         self._refresh_state()
         return {p: dict(s) for p, s in self.state.items() if s}
 
@@ -586,6 +619,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 )
                 inner.copy_(p.detach())
                 entry = _Entry(p, group, True, True, inner, master)
+                entry.note_param_written()
                 if narrow_on_host:
                     entry.stage = torch.empty(
                         p.shape, dtype=p.dtype, device="cpu", pin_memory=pin and self.pin_cpu_params
@@ -600,7 +634,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                     entry.host_grad = torch.empty(p.shape, dtype=dtype, device="cpu")
                 return entry
             inner = p.detach().to(dtype, copy=True) if master else p
-            return _Entry(p, group, host, False, inner, master)
+            entry = _Entry(p, group, host, False, inner, master)
+            entry.note_param_written()
+            return entry
 
     def _side_kwargs(self, cls: type[torch.optim.Optimizer], device_type: str) -> dict[str, Any]:
         kwargs = dict(self.sub_optimizer_kwargs)
@@ -652,6 +688,24 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._refresh_state()
 
     # ------------------------------------------------------------------ state view
+
+    @torch.no_grad()
+    def _adopt_param_writes(self) -> None:
+        """Bring host copies and fp32 masters up to parameters written by others.
+
+        A parameter written outside the optimizer (``model.load_state_dict`` after the
+        optimizer's, an in-place edit) has a new version counter. Its copy takes the new
+        values, except that a fp32 master whose rounding equals the parameter is kept: that
+        is a model checkpoint of the same training state loaded after the optimizer's,
+        and the master holds the bits the parameter's dtype cannot.
+        """
+        for entry in self._entries:
+            if not entry.has_copy or entry.param._version == entry.param_version:
+                continue
+            param = entry.param.detach()
+            if not (entry.master and torch.equal(param, entry.inner.to(param.device, param.dtype))):
+                entry.inner.copy_(param)
+            entry.note_param_written()
 
     def _refresh_state(self) -> None:
         state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
@@ -906,6 +960,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         if not entry.offloaded:
             if entry.master:
                 entry.param.copy_(entry.inner)
+                entry.note_param_written()
                 entry.inner.grad = None
             return
         source = entry.inner
@@ -914,6 +969,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             source = entry.stage
         if stream is None:
             entry.param.copy_(source)
+            entry.note_param_written()
             return
         with torch.cuda.stream(stream):
             if source.dtype != entry.param.dtype:
@@ -924,6 +980,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             else:
                 entry.param.copy_(source, non_blocking=True)
             entry.h2d_event = stream.record_event()
+        entry.note_param_written()
 
     def _step_device(self) -> None:
         sub = self._device_sub
@@ -936,6 +993,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         for entry in sub.entries:
             if entry.master and entry.inner.grad is not None:
                 entry.param.copy_(entry.inner)
+                entry.note_param_written()
                 # The fp32 gradient is transient: freeing it keeps the device state at
                 # master + moments (12 bytes per parameter for AdamW).
                 entry.inner.grad = None
