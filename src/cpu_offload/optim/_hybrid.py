@@ -58,6 +58,7 @@ from ._entries import (
     side_kwargs,
 )
 from ._fingerprint import EarlyCopy, check_early_copies, fingerprint, keep_unchanged_early_copies
+from ._forward_overlap import ForwardOverlap
 from ._split import check_offload_fraction, compute_offload_split, is_device_tensor
 
 __all__ = ["HybridDeviceOptimizer"]
@@ -106,7 +107,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     ``state`` maps each parameter to its state (host tensors for offloaded parameters);
     ``state_dict()`` is keyed like a plain optimizer's and loads into one, and the reverse.
 
-    Beyond Megatron's, four keyword arguments are taken out of ``**defaults``:
+    Beyond Megatron's, six keyword arguments are taken out of ``**defaults``:
 
     * ``early_grad_copy`` (bool, default True): with ``overlap_cpu_optimizer_d2h_h2d``,
       start each offloaded gradient's copy to the host as soon as backward has
@@ -132,6 +133,18 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
       offloaded, from host ones, which are stepped in place by the host optimizer; by
       default any parameter not on the CPU is a device parameter.
 
+    * ``overlap_host_step_with_forward`` (bool, default False): ``step()`` returns once
+      the work is queued; the host steps the offloaded parameters on a worker thread in
+      the order the first forward read them, copying each back as soon as its bucket is
+      done. Every module's forward waits (pre-hook) for exactly the parameters it reads,
+      and so do ``module.state_dict()``, this optimizer's ``state_dict()``,
+      ``load_state_dict()`` and next ``step()``, and :meth:`synchronize`. A parameter
+      read outside any module's forward without :meth:`synchronize` makes the backward
+      that reaches it raise. Results are bit-identical to the option off.
+    * ``offload_last_layers`` (bool, default False): offload the same fraction from the
+      end of the parameter list (the layers a forward reads last) instead of Megatron's
+      prefix, so that the next forward's first layers are GPU-owned.
+
     Without a host fp32 master, gradients and parameters always travel in their own dtype.
 
     Parameters written outside the optimizer (``model.load_state_dict`` before or after
@@ -155,7 +168,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             Off: one host optimizer, copies on the current stream.
         **defaults: Hyperparameters (lr, betas, eps, weight_decay, momentum, fused, ...)
             for both sub-optimizers, plus ``early_grad_copy``, ``grad_copy_dtype``,
-            ``param_copy_dtype`` and ``is_device_param``.
+            ``param_copy_dtype``, ``is_device_param``, ``overlap_host_step_with_forward``
+            and ``offload_last_layers``.
             When neither ``fused`` nor ``foreach`` is given, PyTorch's Adam, AdamW and SGD
             use their fused kernels on each side where the running PyTorch has them.
 
@@ -204,6 +218,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         defaults = dict(defaults)
         is_device_param = pop_predicate(defaults, "is_device_param")
         early_grad_copy = pop_flag(defaults, "early_grad_copy", True)
+        overlap_forward = pop_flag(defaults, "overlap_host_step_with_forward", False)
+        offload_last_layers = pop_flag(defaults, "offload_last_layers", False)
         copy_dtypes = {
             name: check_copy_dtype(name, defaults.pop(name, "master"))
             for name in ("grad_copy_dtype", "param_copy_dtype")
@@ -219,6 +235,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self.pin_cpu_params = pin_cpu_params
         self.overlap_cpu_optimizer_d2h_h2d = overlap_cpu_optimizer_d2h_h2d
         self.early_grad_copy = early_grad_copy
+        self.overlap_host_step_with_forward = overlap_forward
+        self.offload_last_layers = offload_last_layers
         self.grad_copy_dtype: CopyDtype = copy_dtypes["grad_copy_dtype"]
         self.param_copy_dtype: CopyDtype = copy_dtypes["param_copy_dtype"]
         #: Which parameters count as device parameters, eligible for offloading.
@@ -246,6 +264,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._cuda_device: torch.device | None = None
         self._d2h_stream: torch.cuda.Stream | None = None
         self._h2d_stream: torch.cuda.Stream | None = None
+        self._overlap = ForwardOverlap(None) if overlap_forward else None
         self._build({})
 
     # ------------------------------------------------------------------ public API
@@ -279,7 +298,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
         Device work that reads the parameters afterwards on the current stream sees the
         new values (the current stream waits for the copies back); work on other
-        streams must wait for the current stream first.
+        streams must wait for the current stream first. With
+        ``overlap_host_step_with_forward``, offloaded parameters are updated after the
+        return instead, and their readers wait (see the class docs).
 
         Args:
             closure: Re-evaluates the model and returns the loss; called once.
@@ -287,12 +308,25 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         Returns:
             The closure's loss, or None.
         """
+        self.synchronize()
+        if self._overlap is not None and is_current_stream_capturing():
+            raise RuntimeError(
+                "overlap_host_step_with_forward=True cannot be captured in a CUDA graph: "
+                "its waits run in Python hooks that a graph replay skips"
+            )
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self._sync_hyperparameters()
         adopt_param_writes(self._entries)
+        if self._overlap is not None and self._overlap.learning:
+            # The first forward showed the order the next ones read the parameters in:
+            # step the host buckets in that order from now on.
+            self._overlap.finish_learning()
+            stepping = [e for sub in self._host_subs for e in sub.entries]
+            if self._host_order(self._entries) != stepping:
+                self._build(self._state_by_param())
         self._step_all()
         self._refresh_state()
         return loss
@@ -303,11 +337,33 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         Args:
             set_to_none: Set ``.grad`` to None instead of zeroing it.
         """
+        if not set_to_none and self._overlap is not None and self._d2h_stream is not None:
+            # Zeroing in place must come after the gradients' copies to the host.
+            torch.cuda.current_stream(self._cuda_device).wait_stream(self._d2h_stream)
         super().zero_grad(set_to_none)
         for entry in self._entries:
             entry.early = None
             if entry.master and not entry.host:
                 entry.inner.grad = None
+
+    def synchronize(self) -> None:
+        """Wait until every parameter holds its value from the last ``step()``.
+
+        Only needed with ``overlap_host_step_with_forward=True``, for code that reads
+        parameters outside their modules' forwards (see the class docs); a no-op
+        otherwise. Work queued afterwards on the current stream, and host reads
+        (``.cpu()``, ``.item()``), see the new values.
+
+        Raises:
+            RuntimeError: If the host step that ran after ``step()`` returned failed.
+
+        Example:
+            >>> model = torch.nn.Linear(4, 4)
+            >>> opt = HybridDeviceOptimizer(model.parameters(), lr=1e-3)
+            >>> opt.synchronize()
+        """
+        if self._overlap is not None and self._overlap.busy:
+            self.last_step_timings.update(self._overlap.wait_all())
 
     def dummy_step(self) -> None:
         """Create every parameter's optimizer state without changing any parameter.
@@ -330,6 +386,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 for p in group["params"]:
                     p.grad = torch.zeros_like(p)
             self.step()
+            self.synchronize()
         finally:
             for group, lr in zip(self.param_groups, saved_lrs, strict=True):
                 if lr is not None:
@@ -350,6 +407,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             device tensors for the others, plus ``master_param`` (the fp32 master copy)
             for parameters updated through one.
         """
+        self.synchronize()
         adopt_param_writes(self._entries)
         self._refresh_state()
         return pack_state_dict(self.param_groups, self.state)
@@ -369,17 +427,20 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         Raises:
             ValueError: If the groups or their sizes do not match this optimizer's.
         """
+        self.synchronize()
         self.param_groups, by_param = match_loaded_groups(self.param_groups, state_dict)
         self._build(by_param)
 
     # ------------------------------------------------------------------ building
 
     def _state_by_param(self) -> dict[torch.Tensor, dict[str, Any]]:
+        self.synchronize()
         adopt_param_writes(self._entries)
         self._refresh_state()
         return {p: dict(s) for p, s in self.state.items() if s}
 
     def _teardown(self) -> None:
+        self.synchronize()
         _remove_hooks(self._hook_handles)
         for entry in self._entries:
             if entry.pending is not None:
@@ -389,7 +450,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def _build(self, state_by_param: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
         self._teardown()
         flat = [p for g in self.param_groups for p in g["params"]]
-        split = compute_offload_split(flat, self.offload_fraction, is_device=self.is_device_param)
+        split = compute_offload_split(
+            flat,
+            self.offload_fraction,
+            is_device=self.is_device_param,
+            from_end=self.offload_last_layers,
+        )
         cuda_devices = {p.device for p, off in zip(flat, split, strict=True) if off and p.is_cuda}
         if len(cuda_devices) > 1:
             raise ValueError(
@@ -406,19 +472,19 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 position += 1
         self._entries = entries
 
-        use_streams = self._cuda_device is not None and self.overlap_cpu_optimizer_d2h_h2d
-        if use_streams:
-            self._d2h_stream = torch.cuda.Stream(self._cuda_device)
-            self._h2d_stream = torch.cuda.Stream(self._cuda_device)
-        else:
-            self._d2h_stream = self._h2d_stream = None
+        cuda = self._cuda_device is not None
+        use_streams = cuda and self.overlap_cpu_optimizer_d2h_h2d
+        self._d2h_stream = torch.cuda.Stream(self._cuda_device) if use_streams else None
+        # Copies back queued from the host-step thread need a stream of their own.
+        late = cuda and self._overlap is not None
+        self._h2d_stream = torch.cuda.Stream(self._cuda_device) if use_streams or late else None
 
-        # Host side, in reverse parameter order: backward produces the last parameters'
-        # gradients first, so their early copies are the first to be complete.
-        host_entries = [e for e in reversed(entries) if e.host]
+        host_entries = self._host_order(entries)
         device_entries = [e for e in entries if not e.host]
         host_kwargs = side_kwargs(self.sub_optimizer_kwargs, self.cpu_optimizer_cls, "cpu")
-        buckets = bucket_entries(host_entries, self.overlap_cpu_optimizer_d2h_h2d)
+        buckets = bucket_entries(
+            host_entries, self.overlap_cpu_optimizer_d2h_h2d or self._overlap is not None
+        )
         self._host_subs = [
             make_sub(self.cpu_optimizer_cls, b, self.param_groups, host_kwargs) for b in buckets
         ]
@@ -443,12 +509,31 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
         install_state(entries, state_by_param)
         self._refresh_state()
-        if self.overlap_cpu_optimizer_d2h_h2d and self.early_grad_copy:
+        if self._overlap is not None:
+            self._overlap.cuda_device = self._cuda_device
+            self._overlap.track(entries)
+        if (self.overlap_cpu_optimizer_d2h_h2d and self.early_grad_copy) or self._overlap:
             for entry in entries:
                 p = entry.param
                 if entry.offloaded and p.requires_grad and p.is_leaf:
                     hook = _GradReadyHook(self, entry, self._generation)
                     self._hook_handles.append(p.register_post_accumulate_grad_hook(hook))
+
+    def _host_order(self, entries: list[Entry]) -> list[Entry]:
+        host = [e for e in entries if e.host]
+        if self._overlap is None:
+            # Reverse parameter order: backward produces the last parameters' gradients
+            # first, so their early copies are the first to be complete.
+            return host[::-1]
+        # The order the next forward reads them in (learned from the first forward;
+        # parameters it did not read follow, in parameter order).
+        unseen = len(entries)
+
+        def position(item: tuple[int, Entry]) -> tuple[int, int]:
+            seen = self._overlap.forward_position(item[1])  # type: ignore[union-attr]
+            return (unseen if seen is None else seen, item[0])
+
+        return [e for _, e in sorted(enumerate(host), key=position)]
 
     # ------------------------------------------------------------------ state view
 
@@ -476,8 +561,14 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     def _on_grad_ready(self, entry: Entry, generation: int) -> None:
         """Start an offloaded gradient's copy from backward (post-accumulate-grad hook)."""
+        if generation != self._generation:
+            return
+        if self._overlap is not None:
+            self._overlap.check_read(entry)
+            if not (self.overlap_cpu_optimizer_d2h_h2d and self.early_grad_copy):
+                return
         grad = entry.param.grad
-        if generation != self._generation or grad is None or grad.is_sparse:
+        if grad is None or grad.is_sparse:
             return
         if grad.numel() < self._early_min_numel or is_current_stream_capturing():
             return
@@ -530,7 +621,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         if self._h2d_stream is not None and before_step is not None:
             self._h2d_stream.wait_event(before_step)
         host_step = wait = convert = 0.0
-        for sub in self._host_subs:
+        now, later = self._host_subs, []
+        if self._overlap is not None:
+            # Buckets of offloaded parameters are stepped after step() returns; the
+            # caller's host parameters (whose .grad the host optimizer reads) now.
+            later = [s for s in now if all(e.offloaded for e in s.entries)]
+            now = [s for s in now if s not in later]
+        for sub in now:
             t0 = time.perf_counter()
             for entry in sub.entries:
                 take_host_grad(entry)
@@ -543,7 +640,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             wait += t1 - t0
             host_step += t2 - t1
             convert += t3 - t2
-        if self._h2d_stream is not None and current is not None:
+        if later:
+            assert self._overlap is not None
+            self._overlap.submit(later, h2d)
+        elif self._h2d_stream is not None and current is not None:
             # Whatever the caller queues next on the current stream sees the new values.
             current.wait_stream(self._h2d_stream)
         self.last_step_timings = {
