@@ -109,7 +109,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     Beyond Megatron's, six keyword arguments are taken out of ``**defaults``:
 
-    * ``early_grad_copy`` (bool, default True): with ``overlap_cpu_optimizer_d2h_h2d``,
+    * ``early_grad_copy`` (bool or ``"auto"``, default ``"auto"``: True unless
+      ``overlap_host_step_with_forward``): with ``overlap_cpu_optimizer_d2h_h2d``,
       start each offloaded gradient's copy to the host as soon as backward has
       accumulated it. ``step()`` reuses the copy only if ``param.grad`` is the same tensor
       with the same version counter and the same content checksum as when it was copied,
@@ -217,8 +218,14 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             check_flag(name, value)
         defaults = dict(defaults)
         is_device_param = pop_predicate(defaults, "is_device_param")
-        early_grad_copy = pop_flag(defaults, "early_grad_copy", True)
+        early = defaults.pop("early_grad_copy", "auto")
+        if early != "auto":
+            check_flag("early_grad_copy", early)
         overlap_forward = pop_flag(defaults, "overlap_host_step_with_forward", False)
+        # "auto": off when the host steps in forward order, which needs the gradients
+        # backward produces last (the first layers') first, so copies started earlier
+        # in backward would only slow it down; on otherwise.
+        early_grad_copy = (not overlap_forward) if early == "auto" else bool(early)
         offload_last_layers = pop_flag(defaults, "offload_last_layers", False)
         copy_dtypes = {
             name: check_copy_dtype(name, defaults.pop(name, "master"))
