@@ -142,7 +142,7 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> StateBytes:
     if isinstance(optimizer, HybridDeviceOptimizer):
         mask = optimizer.offload_mask
         on_device = [
-            not offloaded and optimizer._is_device_param(p)
+            not offloaded and optimizer.is_device_param(p)
             for p, offloaded in zip(params, mask, strict=True)
         ]
     else:
