@@ -17,6 +17,7 @@ from ._selection import mark_activation_offload, mark_not_offload
 from ._state import is_cpu_offload_enabled, is_current_layer_offloaded
 from ._switch import ENV_VAR, use_v1
 from ._transport import CudaTransport, HostBufferPool, HostTransport, Transport
+from .pipeline import PipelineStageOffload, plan_pipeline_offload
 from .v2 import (
     DefaultOffloadSynchronizer,
     ManualOffloadSynchronizer,
@@ -36,6 +37,7 @@ __all__ = [
     "ManualOffloadSynchronizer",
     "OffloadSynchronizer",
     "OffloadableLayerState",
+    "PipelineStageOffload",
     "Transport",
     "__version__",
     "backend",
@@ -45,6 +47,7 @@ __all__ = [
     "is_current_layer_offloaded",
     "mark_activation_offload",
     "mark_not_offload",
+    "plan_pipeline_offload",
     "start_offload",
     "v1",
     "v2",
