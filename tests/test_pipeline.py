@@ -182,3 +182,31 @@ def test_stage_arguments_are_checked():
         PipelineStageOffload([], plan)
     with pytest.raises(TypeError, match="layers must be nn.Modules"):
         PipelineStageOffload([torch.relu], plan)
+
+
+def test_attach_needs_a_stage_holding_the_module():
+    plan = plan_pipeline_offload("gpipe", 2, 0, 2)
+    module = PipelineStageOffload(blocks(1), plan, transport=HostTransport())
+
+    class Stage:
+        def __init__(self, submod):
+            self.submod = submod
+
+        def forward_one_chunk(self, fwd_chunk_id, x):
+            return self.submod(x)
+
+    with pytest.raises(TypeError, match="must be a pipelining stage"):
+        module.attach(object())
+    with pytest.raises(TypeError, match="does not contain this PipelineStageOffload"):
+        module.attach(Stage(nn.Linear(2, 2)))
+    stage = Stage(module)
+    module.attach(stage)
+    x = torch.randn(2, 8, 32)
+    module(x)  # outside the schedule's forward (shape inference): not an action
+    assert module._next == 0
+    stage.forward_one_chunk(0, x)
+    assert module._next == 1
+    with pytest.raises(
+        RuntimeError, match="ran a forward of micro-batch 2 where the offload plan expects F1"
+    ):
+        stage.forward_one_chunk(2, x)

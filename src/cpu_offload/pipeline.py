@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ._args import check_int
+from ._compat import is_fake_or_functional
 from ._selection import mark_not_offload
 from ._transport import Transport, default_transport
 from .v2.context import DEFAULT_MIN_TENSOR_SIZE, get_cpu_offload_context
@@ -302,13 +303,13 @@ _ON_DEVICE = (LayerPhase.OFFLOAD_STARTED, LayerPhase.RELOAD_STARTED)
 class PipelineStageOffload(nn.Module):
     """A pipeline stage's layers, run with the activation offloading of a plan.
 
-    Use it as the stage's module (``PipelineStage(PipelineStageOffload(layers, plan),
-    ...)``). Each forward is the next forward of the plan; each layer runs under the
+    Use it as the stage's module and attach it to the stage (``module.attach(
+    PipelineStage(module, ...))``). Each forward is the next forward of the plan; each layer runs under the
     offload context of its micro-batch, whose copies to the host start as the layer
     ends. When an action begins (a forward here, or the backward reaching this stage's
     output), the micro-batches the plan names are freed and reloaded. Results are
     bit-identical to running the layers without it. Forwards without grad (evaluation)
-    and on meta tensors run the layers plainly and do not count.
+    and on meta or fake tensors (shape inference) run the layers plainly and do not count.
 
     Args:
         layers: The stage's layers, each taking and returning one tensor.
@@ -364,6 +365,8 @@ class PipelineStageOffload(nn.Module):
             self._contexts.append((ctx, sync))
             self.synchronizers.append(manual)
         self._next = 0  # index of the next action in plan.order
+        self._attached = False  # see attach()
+        self._announced: int | None = None  # micro-batch of the schedule's forward now
         #: Per action of the last step: the micro-batches holding device activations
         #: while it ran (what ``plan.resident`` predicts).
         self.observed_resident: list[frozenset[int]] = []
@@ -378,14 +381,51 @@ class PipelineStageOffload(nn.Module):
         self._next = 0
         self.observed_resident = []
 
+    def attach(self, stage: Any) -> None:
+        """Take the micro-batch of each forward from ``stage``, a pipelining stage.
+
+        ``torch.distributed.pipelining`` runs the stage's module outside its schedule
+        too (to infer shapes on the first step); once attached, only the forwards the
+        schedule runs (``stage.forward_one_chunk``) are actions of the plan, checked
+        against their micro-batch index, and the others run the layers plainly.
+
+        Args:
+            stage: A ``torch.distributed.pipelining.PipelineStage`` whose module is (or
+                contains) this one.
+
+        Raises:
+            TypeError: If ``stage`` has no ``forward_one_chunk`` or its module does not
+                contain this one.
+        """
+        submod = getattr(stage, "submod", None)
+        if not callable(getattr(stage, "forward_one_chunk", None)) or not isinstance(
+            submod, nn.Module
+        ):
+            raise TypeError(f"stage must be a pipelining stage, got {type(stage).__name__}")
+        if not any(m is self for m in submod.modules()):
+            raise TypeError("stage's module does not contain this PipelineStageOffload")
+        original = stage.forward_one_chunk
+
+        def forward_one_chunk(fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            self._announced = fwd_chunk_id
+            try:
+                return original(fwd_chunk_id, *args, **kwargs)
+            finally:
+                self._announced = None
+
+        stage.forward_one_chunk = forward_one_chunk
+        self._attached = True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not torch.is_grad_enabled() or x.is_meta:
+        plain = not torch.is_grad_enabled() or x.is_meta or is_fake_or_functional(x)
+        if plain or (self._attached and self._announced is None):
+            # Evaluation, or a pipeline tracing shapes: nothing to save, not an action.
             for layer in self.layers:
                 x = layer(x)
             return x
         if self._next == len(self.plan.order):
             self._next = 0  # the previous step ran every action: a new step begins
-        m = self._begin(forward=True, microbatch=None)
+        m = self._begin(forward=True, microbatch=self._announced)
         # The stage keeps its input for the backward anyway: copying it would free nothing.
         mark_not_offload(x)
         ctx, sync = self._contexts[m]
@@ -415,7 +455,9 @@ class PipelineStageOffload(nn.Module):
         if expected.forward != forward or (
             microbatch is not None and microbatch != expected.microbatch
         ):
-            got = "a forward" if forward else f"the backward of micro-batch {microbatch}"
+            got = f"{'a forward' if forward else 'the backward'} of micro-batch {microbatch}"
+            if microbatch is None:
+                got = "a forward"
             self.reset()
             raise RuntimeError(
                 f"the pipeline ran {got} where the offload plan expects {expected} (action "
