@@ -116,3 +116,53 @@ def test_two_stage_pipeline_is_bit_identical(tmp_path, schedule, micro, prefetch
     # Both stages offload something: stage 0 waits for backwards, stage 1 only in GPipe.
     assert plan_pipeline_offload(schedule, WORLD, 0, micro, prefetch=prefetch).offloaded
     spawn(_pipeline_worker, tmp_path, schedule, micro, prefetch)
+
+
+# -- sharded optimizer ----------------------------------------------------------------
+
+
+def _same_on_all_ranks(tensors: list[torch.Tensor]) -> bool:
+    same = True
+    for t in tensors:
+        first = t.detach().clone()
+        dist.broadcast(first, src=0)
+        same &= torch.equal(first, t)
+    return same
+
+
+def _sharded_worker(rank: int) -> None:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from cpu_offload.optim import ShardedHybridDeviceOptimizer
+
+    model = nn.Sequential(*blocks(2))
+    reference = DDP(copy.deepcopy(model))
+    model = DDP(model)
+    opt = ShardedHybridDeviceOptimizer(
+        model.parameters(), offload_fraction=0.5, lr=1e-2, foreach=False
+    )
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, foreach=False)
+    for step in range(3):
+        x, y = batches(WORLD * step + rank, 2)  # each rank its own data
+        for net, o in ((model, opt), (reference, ref_opt)):
+            o.zero_grad()
+            mse(net(x), y).backward()
+            if step == 2:
+                o.param_groups[0]["lr"] = 5e-3  # what a scheduler does
+            o.step()
+    params = list(model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(params, reference.parameters(), strict=True))
+    assert _same_on_all_ranks(params)
+    # This rank keeps state for its own shard only; the shards cover every parameter.
+    assert opt.local is not None
+    assert len(opt.local.state) == sum(opt.owned_mask)
+    counts = [torch.zeros(len(params)) for _ in range(WORLD)]
+    dist.all_gather(counts, torch.tensor(opt.owned_mask, dtype=torch.float32))
+    assert torch.equal(sum(counts), torch.ones(len(params)))
+    with pytest.raises(ValueError, match="saved by rank"):
+        opt.load_state_dict({**opt.state_dict(), "rank": 1 - rank})
+    opt.load_state_dict(opt.state_dict())
+
+
+def test_sharded_optimizer_matches_adamw_and_keeps_ranks_identical(tmp_path):
+    spawn(_sharded_worker, tmp_path)
