@@ -166,3 +166,113 @@ def _sharded_worker(rank: int) -> None:
 
 def test_sharded_optimizer_matches_adamw_and_keeps_ranks_identical(tmp_path):
     spawn(_sharded_worker, tmp_path)
+
+
+# -- DDP and FSDP2 with the offload context per block -------------------------------
+
+
+class RecordingTransport(HostTransport):
+    """The CPU stand-in, noting the size and dtype of every tensor it offloads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.offloaded: list[tuple[tuple[int, ...], torch.dtype]] = []
+
+    def offload(self, src: torch.Tensor, ready: object | None, dst: torch.Tensor) -> None:
+        self.offloaded.append((tuple(src.shape), src.dtype))
+        super().offload(src, ready, dst)
+
+
+class Stack(nn.Module):
+    """Blocks in sequence, each under the offload context when one is given."""
+
+    def __init__(self, blocks: list[nn.Module], transport: HostTransport | None) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+        self.ctx = self.sync = None
+        if transport is not None:
+            from cpu_offload import get_cpu_offload_context
+
+            self.ctx, self.sync = get_cpu_offload_context(
+                enabled=True,
+                num_layers=len(blocks) - 1,
+                model_layers=len(blocks),
+                min_tensor_size_to_offload=0,
+                transport=transport,
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            if self.ctx is None:
+                x = block(x)
+            else:
+                with self.ctx:
+                    x = block(x)
+                x = self.sync(x)
+        return x
+
+
+def _fully_shard() -> Callable[..., nn.Module] | None:
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:
+        try:
+            from torch.distributed._composable.fsdp import fully_shard
+        except ImportError:
+            return None
+    return fully_shard
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _parallel_worker(rank: int, kind: str) -> None:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def train(transport: HostTransport | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        model = Stack(blocks(3), transport)
+        if kind == "ddp":
+            model = DDP(model)
+        else:
+            fully_shard = _fully_shard()
+            assert fully_shard is not None
+            for block in model.blocks:
+                fully_shard(block)
+            fully_shard(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses, grads = [], []
+        for step in range(3):
+            x, y = batches(WORLD * step + rank, 2)
+            opt.zero_grad()
+            loss = mse(model(x), y)
+            loss.backward()
+            losses.append(loss.detach())
+            grads = [_full(p.grad).clone() for p in model.parameters()]
+            opt.step()
+        return losses, grads
+
+    plain = train(None)
+    transport = RecordingTransport()
+    offloaded = train(transport)
+    assert all(torch.equal(a, b) for a, b in zip(plain[0], offloaded[0], strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(plain[1], offloaded[1], strict=True))
+    # The host held exactly what the same blocks offload without any wrapper: no
+    # parameter, shard, unsharded parameter or gradient of DDP or FSDP2.
+    alone = RecordingTransport()
+    model = Stack(blocks(3), alone)
+    for step in range(3):
+        x, y = batches(WORLD * step + rank, 2)
+        mse(model(x), y).backward()
+    assert transport.offloaded == alone.offloaded and alone.offloaded
+    assert transport.bytes_offloaded == transport.bytes_reloaded
+
+
+def test_ddp_with_offloaded_blocks_is_bit_identical(tmp_path):
+    spawn(_parallel_worker, tmp_path, "ddp")
+
+
+def test_fsdp2_per_block_with_offloaded_blocks_is_bit_identical(tmp_path):
+    if _fully_shard() is None:
+        pytest.skip("this torch has no fully_shard (FSDP2)")
+    spawn(_parallel_worker, tmp_path, "fsdp2")
