@@ -20,6 +20,7 @@ from ._switch import ENV_VAR, use_v1
 from ._transport import CudaTransport, HostBufferPool, HostTransport, Transport
 from ._warn import warn_at_caller
 from .layers import OffloadedLayers, offload_layers
+from .pipeline import PipelineStageOffload, plan_pipeline_offload
 from .v2 import (
     DefaultOffloadSynchronizer,
     ManualOffloadSynchronizer,
@@ -40,6 +41,7 @@ __all__ = [
     "OffloadSynchronizer",
     "OffloadableLayerState",
     "OffloadedLayers",
+    "PipelineStageOffload",
     "Transport",
     "__version__",
     "backend",
@@ -50,6 +52,7 @@ __all__ = [
     "mark_activation_offload",
     "mark_not_offload",
     "offload_layers",
+    "plan_pipeline_offload",
     "start_offload",
     "v1",
     "v2",

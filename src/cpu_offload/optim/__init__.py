@@ -18,15 +18,18 @@ from ._measure import (
     optimizer_device_state_bytes,
     optimizer_state_bytes,
 )
+from ._sharded import ShardedHybridDeviceOptimizer, shard_parameters
 from ._split import compute_offload_split
 
 __all__ = [
     "HybridDeviceOptimizer",
     "OptimizerMeasurement",
+    "ShardedHybridDeviceOptimizer",
     "StateBytes",
     "compute_offload_split",
     "measure_host_optimizer_throughput",
     "measure_optimizer",
     "optimizer_device_state_bytes",
     "optimizer_state_bytes",
+    "shard_parameters",
 ]
