@@ -208,8 +208,8 @@ def _per_layer(
     n = len(p)
     finish_at: dict[tuple[bool, int], list[int]] = {}
     reload_at: dict[int, list[int]] = {}
-    for layer, (fwd, finish, _, reload) in offload_schedule(offloaded, n).items():
-        finish_at.setdefault((fwd, finish), []).append(layer)
+    for layer, (fwd, when, _, reload) in offload_schedule(offloaded, n).items():
+        finish_at.setdefault((fwd, when), []).append(layer)
         reload_at.setdefault(reload, []).append(layer)
     d2h_free = h2d_free = 0.0
     offload_end: dict[int, float] = {}
