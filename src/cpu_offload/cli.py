@@ -72,7 +72,6 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     """The ``cpu-offload`` parser and its ``compare`` subparser."""
     from . import __version__
     from .compare.variants import VARIANTS
-    from .models import MODEL_KINDS
 
     parser = argparse.ArgumentParser(
         prog="cpu-offload",
@@ -110,16 +109,7 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         metavar="section.key=value",
         help="Megatron Bridge overrides (see below)",
     )
-    c.add_argument(
-        "--model",
-        default="gpt",
-        metavar="MODEL",
-        help=f"a built-in layer kind ({', '.join(MODEL_KINDS)}); package.module:factory, "
-        "a function returning (model, make_batch[, loss_fn]), called with those of device, "
-        "dtype, seq and batch it accepts; or hf:PATH/config.json, a transformers causal "
-        "LM built from a config with random weights (pip install 'cpu-offload[hf]'). "
-        "The optimizer section runs on the built-in kinds only. (default: gpt)",
-    )
+    add_model_option(c, "The optimizer section runs on the built-in kinds only.")
     c.add_argument(
         "--hidden",
         type=_positive("--hidden"),
@@ -219,6 +209,22 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
 
     add_plan_parser(sub)
     return parser, c
+
+
+def add_model_option(parser: argparse.ArgumentParser, note: str = "") -> None:
+    """Add ``--model`` (a built-in kind, ``package.module:factory`` or ``hf:PATH``)."""
+    from .models import MODEL_KINDS
+
+    parser.add_argument(
+        "--model",
+        default="gpt",
+        metavar="MODEL",
+        help=f"a built-in layer kind ({', '.join(MODEL_KINDS)}); package.module:factory, "
+        "a function returning (model, make_batch[, loss_fn]), called with those of device, "
+        "dtype, seq and batch it accepts; or hf:PATH/config.json, a transformers causal "
+        "LM built from a config with random weights (pip install 'cpu-offload[hf]'). "
+        f"{note + ' ' if note else ''}(default: gpt)",
+    )
 
 
 def _check_plot(parser: argparse.ArgumentParser, wanted: bool) -> None:

@@ -13,7 +13,7 @@ import re
 import sys
 from typing import Any
 
-from ..cli import _DTYPES, _positive
+from ..cli import _DTYPES, _positive, add_model_option
 
 __all__ = ["add_plan_parser", "parse_budget", "run_plan"]
 
@@ -76,7 +76,6 @@ def _budget_type(text: str) -> int | float:
 
 def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``plan`` subcommand to the ``cpu-offload`` parser's subparsers."""
-    from ..models import MODEL_KINDS
 
     p = subparsers.add_parser(
         "plan",
@@ -98,15 +97,7 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="peak device memory allowed: 12GiB, 800MiB, 1.5GB, or 0.6 (a fraction of the "
         "peak without offloading)",
     )
-    p.add_argument(
-        "--model",
-        default="gpt",
-        metavar="MODEL",
-        help=f"a built-in layer kind ({', '.join(MODEL_KINDS)}); package.module:factory, "
-        "a function returning (model, make_batch[, loss_fn]), called with those of device, "
-        "dtype, seq and batch it accepts; or hf:PATH/config.json, a transformers causal "
-        "LM built from a config with random weights, as for compare (default: gpt)",
-    )
+    add_model_option(p)
     p.add_argument("--hidden", type=_positive("--hidden"), help="model width, built-in kinds")
     p.add_argument("--heads", type=_positive("--heads"), help="attention heads, built-in kinds")
     p.add_argument("--seq", type=_positive("--seq"), help="sequence length")
