@@ -379,3 +379,91 @@ def test_offload_schedule_extends_the_default_rule():
 def test_exported_from_the_package():
     assert cpu_offload.offload_layers is offload_layers
     assert "offload_layers" in cpu_offload.__all__
+
+
+# -- copies of a wrapped model, and the order of the layers ------------------------------
+
+
+def test_deepcopy_of_a_wrapped_model_runs_its_own_weights(backend):
+    import copy
+
+    model = _sequential()
+    batches = _batches(2, 16, 64)
+    want = _train(model, batches, _square)
+    transport = HostTransport()
+    handle = offload_layers(model, num_offloaded=2, **_kwargs(backend, transport))
+    twin = copy.deepcopy(model)  # an EMA or reference copy, made while wrapped
+    for p in twin.parameters():
+        torch.nn.init.zeros_(p)
+    with torch.no_grad():
+        assert torch.equal(twin(batches[0]), torch.zeros(16, 64))
+    moved = transport.bytes_offloaded
+    twin_loss = _square(twin, batches[0])
+    twin_loss.backward()  # runs plainly: outside the original's schedule
+    assert transport.bytes_offloaded == moved
+    _assert_equal(_train(model, batches, _square), want)
+    handle.remove()
+
+
+def test_saving_a_wrapped_model_loads_a_plain_one(tmp_path):
+    model = _sequential()
+    x = _batches(1, 16, 64)[0]
+    handle = offload_layers(model, num_offloaded=2, transport=HostTransport())
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), model(x))
+    loaded_loss = _square(loaded, x)
+    loaded_loss.backward()
+    handle.remove()
+
+
+@pytest.mark.parametrize(
+    ("order", "cause"),
+    [
+        ([0, 1, 1], "layer 1 ran twice in a row"),
+        ([0, 1, 3], "layer(s) 2 did not run between layers 1 and 3"),
+        ([0, 1, 2, 1], "layer 1 ran again after layer 2"),
+        ([2], "the forward began at layer 2"),
+    ],
+)
+def test_layers_run_out_of_order_fail_at_the_call_then_train_exactly(backend, order, cause):
+    model = _sequential()
+    batches = _batches(2, 16, 64)
+    want = _train(model, batches, _square)
+    handle = offload_layers(model, num_offloaded=2, **_kwargs(backend, HostTransport()))
+    x = batches[0].requires_grad_()
+    with pytest.raises(RuntimeError, match=re_escape(cause)):
+        for i in order:
+            x = model[i](x)
+    _assert_equal(_train(model, batches, _square), want)
+    handle.remove()
+
+
+def re_escape(text: str) -> str:
+    import re
+
+    return re.escape(text)
+
+
+def test_a_models_own_checkpointing_recomputes_outside_the_schedule(backend):
+    # Layers checkpointed by the model itself rerun their forward inside backward; the
+    # rerun must not count as a new forward of the offload schedule.
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(nn.Module):
+        def __init__(self, inner: nn.Sequential) -> None:
+            super().__init__()
+            self.layers = inner
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = checkpoint(layer, x, use_reentrant=False)
+            return x
+
+    model = Checkpointed(_sequential())
+    batches = _batches(2, 16, 64)
+    want = _train(model, batches, _square)
+    handle = offload_layers(model, num_offloaded=2, **_kwargs(backend, HostTransport()))
+    _assert_equal(_train(model, batches, _square), want)
+    handle.remove()

@@ -21,6 +21,7 @@ __all__ = [
     "TORCH_VERSION_STRING",
     "capture_buffer_policy",
     "fused_optimizer_supported",
+    "in_backward",
     "is_current_stream_capturing",
     "is_fake_or_functional",
     "parse_torch_version",
@@ -170,3 +171,12 @@ def queue_backward_callback(callback: Callable[[], None]) -> None:
     Must be called from inside a backward pass (a hook).
     """
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def in_backward() -> bool:
+    """Whether the calling thread runs inside a backward pass (a hook, or a recomputation).
+
+    Uses ``torch._C._current_graph_task_id``, which is -1 outside backward in every
+    supported release.
+    """
+    return torch._C._current_graph_task_id() != -1

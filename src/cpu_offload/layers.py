@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
+import types
+import weakref
 from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ._compat import in_backward
 from ._layer_stack import check_indices, find_layers, offload_schedule
 from ._log import logger
 from ._marking import MarkOutputs
@@ -87,8 +89,10 @@ class _Runner:
     def __call__(
         self, index: int, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict
     ) -> Any:
-        if not torch.is_grad_enabled():
-            # Evaluation: nothing is saved for backward, and the schedule must not count it.
+        if not torch.is_grad_enabled() or in_backward():
+            # Evaluation (nothing is saved for backward), or a recomputation inside
+            # backward (a model's own activation checkpointing, whose activations are
+            # used at once): the schedule must not count it.
             return forward(*args, **kwargs)
         if index in self.recomputed:
 
@@ -105,6 +109,8 @@ class _Runner:
             # The previous forward stopped between layers (an exception outside a layer):
             # start the iteration afresh instead of counting on from where it stopped.
             self._restart()
+        elif index != 0 and self.last_index != index - 1:
+            self._refuse_order(index)
         self.last_index = None
         mark = MarkOutputs() if self.mark_outputs and index in self.offloaded else None
         with self.context, mark or contextlib.nullcontext():
@@ -128,6 +134,24 @@ class _Runner:
             return synchronizer.transport
         return getattr(self.context.offload_handler, "transport", None)  # V1
 
+    def _refuse_order(self, index: int) -> None:
+        last = self.last_index
+        if last is None:
+            cause = f"the forward began at layer {index}, not at layer 0"
+        elif index == last:
+            cause = f"layer {index} ran twice in a row"
+        elif index < last:
+            cause = f"layer {index} ran again after layer {last} in the same forward"
+        else:
+            skipped = ", ".join(str(i) for i in range(last + 1, index))
+            cause = f"layer(s) {skipped} did not run between layers {last} and {index}"
+        self._restart()
+        raise RuntimeError(
+            f"offload_layers: {cause}. The offload schedule counts each layer once per "
+            "forward, in order: run every wrapped layer once per forward (no layer drop, "
+            "no reuse of a layer), or wrap only the layers that run that way"
+        )
+
     def _restart(self) -> None:
         synchronizer = getattr(self.context, "offload_synchronizer", None)
         if synchronizer is not None:  # V2
@@ -135,6 +159,57 @@ class _Runner:
             synchronizer.start_new_iteration()
         else:  # V1
             self.context.offload_handler.groupid_reset()
+
+
+# NOTE [Wrapped layers and their copies]
+# offload_layers puts a bound method on each layer instance, ``forward`` (so that
+# nn.Module.__call__ finds it), and the wrapping state beside it under _WRAP_ATTR. The
+# state knows the very layer it was made for. A copy of a wrapped layer
+# (``copy.deepcopy`` for an EMA or reference model, ``torch.save`` of the whole model)
+# gets the bound method rebound to itself, and the state shared (``__deepcopy__``) or
+# dropped (pickling); seeing that the state is not its own, the copy runs its class's
+# forward: a plain layer with its own weights, outside the original's schedule. Were
+# the state a closure over the original's bound forward, the copy would run the
+# original's weights and advance its schedule.
+_WRAP_ATTR = "_cpu_offload_wrap"
+
+
+class _Wrap:
+    """What :func:`offload_layers` keeps on one wrapped layer (see the NOTE above)."""
+
+    __slots__ = ("forward", "index", "layer", "runner")
+
+    def __init__(
+        self, layer: nn.Module, runner: _Runner, index: int, forward: Callable[..., Any]
+    ) -> None:
+        self.layer = weakref.ref(layer)
+        self.runner = runner
+        self.index = index
+        self.forward = forward  # the layer's own forward, as it was before wrapping
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Wrap:
+        return self  # shared: the copy sees that it is not the layer this was made for
+
+    def __reduce__(self) -> tuple[Callable[[], None], tuple[()]]:
+        return (_no_wrap, ())
+
+
+def _no_wrap() -> None:
+    """What a pickled :class:`_Wrap` loads as: nothing (the loaded layer is plain)."""
+    return None
+
+
+def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The forward :func:`offload_layers` installs (named so that pickling finds a plain one)."""
+    wrap = self.__dict__.get(_WRAP_ATTR)
+    if wrap is None or wrap.layer() is not self:
+        # A copy of a wrapped layer: see NOTE [Wrapped layers and their copies].
+        return type(self).forward(self, *args, **kwargs)
+    return wrap.runner(wrap.index, wrap.forward, args, kwargs)
+
+
+_wrapped_forward = forward
+del forward
 
 
 class OffloadedLayers:
@@ -168,7 +243,7 @@ class OffloadedLayers:
         self.backend = backend
         self.context = context
         self.sync = sync
-        self._installed: list[tuple[nn.Module, Callable[..., Any], bool, Any]] = []
+        self._installed: list[tuple[nn.Module, Any, bool, Any]] = []
 
     def _install(self, runner: _Runner) -> None:
         counted = runner.context is not None  # every layer counts in the schedule
@@ -177,15 +252,9 @@ class OffloadedLayers:
                 continue
             had_own = "forward" in layer.__dict__
             previous = layer.__dict__.get("forward")
-            original = layer.forward  # bound method (or the instance attribute)
-
-            @functools.wraps(original)
-            def forward(
-                *args: Any, _i: int = index, _f: Callable[..., Any] = original, **kwargs: Any
-            ) -> Any:
-                return runner(_i, _f, args, kwargs)
-
-            forward._cpu_offload_handle = self  # type: ignore[attr-defined]
+            wrap = _Wrap(layer, runner, index, layer.forward)
+            forward = types.MethodType(_wrapped_forward, layer)
+            layer.__dict__[_WRAP_ATTR] = wrap
             layer.forward = forward  # type: ignore[method-assign]
             self._installed.append((layer, forward, had_own, previous))
 
@@ -214,6 +283,7 @@ class OffloadedLayers:
                 layer.forward = previous  # type: ignore[method-assign]
             else:
                 del layer.__dict__["forward"]
+            del layer.__dict__[_WRAP_ATTR]
         self._installed.clear()
         logger.debug("offload_layers: removed from %d layers", self.num_layers)
 
@@ -396,7 +466,8 @@ def offload_layers(
             "recomputed=[...]"
         )
     for index, layer in enumerate(layers):
-        if hasattr(layer.__dict__.get("forward"), "_cpu_offload_handle"):
+        wrap = layer.__dict__.get(_WRAP_ATTR)
+        if wrap is not None and wrap.layer() is layer:
             raise ValueError(
                 f"offload_layers: layer {index} ({type(layer).__name__}) is already wrapped "
                 "by offload_layers; call remove() on that handle first"

@@ -29,6 +29,7 @@ args = parser.parse_args()
 
 torch.use_deterministic_algorithms(True)
 
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -210,8 +210,8 @@ def get_cpu_offload_context(
         >>> x = torch.randn(512, 1024, requires_grad=True)
         >>> for layer in layers:
         ...     with ctx:
+        ...         mark_activation_offload(x)  # the layer's input: Linear saves it
         ...         x = layer(x)
-        ...         mark_activation_offload(x)
         ...     x = commit(x)
         >>> x.sum().backward()
     """
