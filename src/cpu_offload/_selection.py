@@ -115,8 +115,14 @@ def is_marked_not_offload(tensor: torch.Tensor) -> bool:
 
 def _is_weight(tensor: torch.Tensor) -> bool:
     # Layers save views of their weights (Linear saves weight.t()): those are weights too.
+    # ``isinstance(t, Parameter)`` goes through Parameter's metaclass (slow, and asked for
+    # every saved tensor); the exact-type test answers for plain tensors first.
     for t in (tensor, tensor._base):
-        if t is not None and (isinstance(t, torch.nn.Parameter) or getattr(t, "is_weight", False)):
+        if t is None:
+            continue
+        if type(t) is not torch.Tensor and isinstance(t, torch.nn.Parameter):
+            return True
+        if getattr(t, "is_weight", False):
             return True
     return False
 
@@ -143,9 +149,10 @@ class ActivationPolicy:
     on_device: Callable[[torch.Tensor], bool]
 
     def __call__(self, tensor: torch.Tensor) -> bool:
+        # Cheapest test first: most tensors a layer saves are small.
         return (
-            self.on_device(tensor)
-            and tensor.numel() >= self.min_numel
+            tensor.numel() >= self.min_numel
+            and self.on_device(tensor)
             and not _never_offloaded(tensor)
         )
 

@@ -62,6 +62,7 @@ class Unit:
     ready: object | None
     ready_seq: int
     host: torch.Tensor | None = None  # raw host buffer
+    host_view: torch.Tensor | None = None  # the buffer seen with the unit's layout
     copied: object | None = None  # event: offload copy done
     reloaded: torch.Tensor | None = None
     restored: object | None = None  # event: reload copy done
@@ -127,14 +128,10 @@ def _is_wrapper(tensor: torch.Tensor) -> bool:
 
 
 def _storage_key(t: torch.Tensor) -> tuple[object, ...]:
-    return (
-        t.device,
-        t.untyped_storage().data_ptr(),
-        t.storage_offset(),
-        tuple(t.shape),
-        t.stride(),
-        t.dtype,
-    )
+    # The address of the first element, with shape, strides and dtype, names one view of
+    # one memory (two live storages never share an address). ``data_ptr()`` is used
+    # rather than the storage's address and offset: it costs no storage object.
+    return (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
 
 
 @dataclass
@@ -143,6 +140,7 @@ class _Leaf:
     ready: object | None
     seq: int
     force_base: bool
+    key: tuple[object, ...] = ()
 
 
 class TensorGroupProcessor:
@@ -166,7 +164,8 @@ class TensorGroupProcessor:
         canonical: dict[tuple[object, ...], int] = {}
         alias: list[int] = []
         for i, leaf in enumerate(leaves):
-            j = canonical.setdefault(_storage_key(leaf.tensor), i)
+            leaf.key = _storage_key(leaf.tensor)
+            j = canonical.setdefault(leaf.key, i)
             if j != i:  # the later save decides when the shared copy may start
                 if leaf.seq > leaves[j].seq:
                     leaves[j].ready, leaves[j].seq = leaf.ready, leaf.seq
@@ -177,8 +176,11 @@ class TensorGroupProcessor:
         roots: dict[tuple[object, ...], tuple[torch.Tensor, list[int]]] = {}
         for i in sorted(set(alias)):
             t = leaves[i].tensor
-            root = t._base if t._base is not None else t
-            roots.setdefault(_storage_key(root), (root, []))[1].append(i)
+            base = t._base
+            if base is None:
+                roots.setdefault(leaves[i].key, (t, []))[1].append(i)
+            else:
+                roots.setdefault(_storage_key(base), (base, []))[1].append(i)
 
         plan = GroupPlan()
         leaf_refs: dict[int, _Ref] = {}
@@ -222,6 +224,13 @@ class TensorGroupProcessor:
     ) -> dict[int, _Ref]:
         refs: dict[int, _Ref] = {}
         tensors = [leaves[i].tensor for i in members]
+        if len(members) == 1 and tensors[0] is root:
+            # The common case (a tensor saved as itself, not a view): no grouping to decide.
+            t = tensors[0]
+            if is_dense(t):
+                return {members[0]: _UnitRef(self._add_unit(plan, t, leaves[members[0]]), None)}
+            self._warn_kept(t)
+            return {members[0]: _KeptRef(t)}
         root_key = _storage_key(root)
         same_dtype = all(t.dtype == root.dtype for t in tensors)
         covered = sum(t.numel() for t in tensors)
@@ -229,7 +238,7 @@ class TensorGroupProcessor:
             is_dense(root)
             and same_dtype
             and (
-                any(_storage_key(t) == root_key for t in tensors)
+                any(leaves[i].key == root_key for i in members)
                 or any(leaves[i].force_base for i in members)
                 or (
                     (len(tensors) > 1 or not all(is_dense(t) for t in tensors))
@@ -242,7 +251,7 @@ class TensorGroupProcessor:
             u = self._add_unit(plan, root, ready_leaf)
             for i, t in zip(members, tensors, strict=True):
                 view = None
-                if _storage_key(t) != root_key:
+                if leaves[i].key != root_key:
                     view = (
                         tuple(t.shape),
                         t.stride(),

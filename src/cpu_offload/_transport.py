@@ -17,7 +17,7 @@ so that a steady-state step allocates no new pinned memory.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -137,7 +137,11 @@ class HostBufferPool:
     @staticmethod
     def view(buffer: torch.Tensor, layout: TensorLayout) -> torch.Tensor:
         """``buffer`` seen as a tensor of ``layout`` (same strides as the device tensor)."""
-        return buffer[: layout.nbytes].view(layout.dtype).as_strided(layout.size, layout.stride)
+        # Pool buffers are multiples of 512 bytes (see size_class), so the whole buffer
+        # reinterprets as any dtype: one view and one as_strided, no slice.
+        if buffer.numel() % layout.dtype.itemsize:
+            buffer = buffer[: layout.nbytes]
+        return buffer.view(layout.dtype).as_strided(layout.size, layout.stride)
 
 
 @dataclass(frozen=True)
@@ -206,6 +210,48 @@ class Transport(ABC):
     def reload(self, src: torch.Tensor, dst: torch.Tensor) -> object | None:
         """Copy host tensor ``src`` into device tensor ``dst`` (from :meth:`allocate`)."""
 
+    def capturing(self) -> bool:
+        """Whether a CUDA graph is being captured on the current stream."""
+        return False
+
+    def offload_all(
+        self, copies: Sequence[tuple[torch.Tensor, object | None, torch.Tensor]]
+    ) -> list[object | None]:
+        """Queue the offload copies of one layer: ``(src, ready, dst)`` as for :meth:`offload`.
+
+        Returns one event per copy; copies queued together may share one event (the
+        caller waits for each distinct event once). If queuing fails part-way, the
+        compute stream waits for the copies already queued before the error propagates,
+        so that no memory is reused under a running copy.
+        """
+        events: list[object | None] = []
+        try:
+            for src, ready, dst in copies:
+                events.append(self.offload(src, ready, dst))
+        except BaseException:
+            for event in events:
+                self.wait(event)
+            raise
+        return events
+
+    def reload_all(
+        self, copies: Sequence[tuple[torch.Tensor, torch.Tensor]]
+    ) -> list[object | None]:
+        """Queue the reload copies of one layer: ``(src, dst)`` as for :meth:`reload`.
+
+        Returns one event per copy, so that each tensor's first use waits only for its own
+        copy. Fails as :meth:`offload_all` does.
+        """
+        events: list[object | None] = []
+        try:
+            for src, dst in copies:
+                events.append(self.reload(src, dst))
+        except BaseException:
+            for event in events:
+                self.wait(event)
+            raise
+        return events
+
 
 class CudaTransport(Transport):
     """Copies on a dedicated CUDA stream, ordered by CUDA events.
@@ -242,6 +288,9 @@ class CudaTransport(Transport):
 
     def accepts(self, tensor: torch.Tensor) -> bool:
         return tensor.is_cuda
+
+    def capturing(self) -> bool:
+        return torch.cuda.is_current_stream_capturing()
 
     def record(self) -> torch.cuda.Event:
         event = torch.cuda.Event()
@@ -302,6 +351,54 @@ class CudaTransport(Transport):
         done, nbytes = self._copy("reload", self.reload_stream, src, dst)
         self.bytes_reloaded += nbytes
         return done
+
+    def offload_all(
+        self, copies: Sequence[tuple[torch.Tensor, object | None, torch.Tensor]]
+    ) -> list[object | None]:
+        if self.timeline is not None:  # per-copy timing events: one copy at a time
+            return super().offload_all(copies)
+        # One stream switch and one completion event for the layer: a layer's memory is
+        # released only once all its copies are done, so per-copy events would only
+        # cost host time. Each copy still waits for the point its tensor was saved at.
+        stream = self.stream
+        done = torch.cuda.Event()
+        waited: object | None = None
+        try:
+            with torch.cuda.stream(stream):
+                for src, ready, dst in copies:
+                    if ready is not None and ready is not waited:
+                        stream.wait_event(ready)  # type: ignore[arg-type]
+                        waited = ready
+                    dst.copy_(src, non_blocking=True)
+                    self.bytes_offloaded += dst.nbytes
+        except BaseException:
+            done.record(stream)
+            torch.cuda.current_stream().wait_event(done)
+            raise
+        done.record(stream)
+        return [done] * len(copies)
+
+    def reload_all(
+        self, copies: Sequence[tuple[torch.Tensor, torch.Tensor]]
+    ) -> list[object | None]:
+        if self.timeline is not None:
+            return super().reload_all(copies)
+        stream = self.reload_stream
+        # The buffers were allocated on the compute stream (see reload): one wait for all.
+        stream.wait_stream(torch.cuda.current_stream())
+        events: list[object | None] = []
+        try:
+            with torch.cuda.stream(stream):
+                for src, dst in copies:
+                    dst.copy_(src, non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                    events.append(event)
+                    self.bytes_reloaded += dst.nbytes
+        except BaseException:
+            torch.cuda.current_stream().wait_stream(stream)
+            raise
+        return events
 
 
 class HostTransport(Transport):

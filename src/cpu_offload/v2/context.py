@@ -44,6 +44,11 @@ class OffloadContext:
         self._refused = False  # the last __enter__ was refused for a missing sync
         self.layer_id: int | None = None
         self._hooks: ActiveHooks | None = None
+        self._counted = False  # the current `with` block counted a layer
+        # Made once and entered per layer: an offloaded layer's tensors go through the
+        # synchronizer; any other layer saves its tensors untouched, without hooks.
+        self._offload_hooks = ActiveHooks(self, synchronizer.push_tensor, synchronizer.pop_tensor)
+        self._plain_hooks = ActiveHooks(self)
 
     def is_current_layer_offloaded(self) -> bool:
         return self.layer_id is not None and self.offload_synchronizer.is_layer_offloaded(
@@ -69,8 +74,9 @@ class OffloadContext:
             self.offload_synchronizer.start_new_iteration()
         if not torch.is_grad_enabled():
             # Nothing is saved for backward: no layer is counted (evaluation loops).
-            self._hooks = ActiveHooks(self)
-            self._hooks.__enter__()
+            self._plain_hooks.__enter__()
+            self._hooks = self._plain_hooks
+            self._counted = False
             self.inside_context = True
             return self
         sync = self.offload_synchronizer
@@ -80,9 +86,10 @@ class OffloadContext:
             # Leave nothing behind: the next forward starts a fresh iteration at layer 0.
             sync.start_new_iteration()
             raise
-        hooks = ActiveHooks(self, sync.push_tensor, sync.pop_tensor)
+        hooks = self._offload_hooks if sync.is_layer_offloaded(layer) else self._plain_hooks
         hooks.__enter__()  # last step: nothing after it can fail
         self._hooks = hooks
+        self._counted = True
         self.layer_id = layer
         self.awaiting_sync = True
         self.inside_context = True
@@ -99,7 +106,7 @@ class OffloadContext:
         if hooks is None:
             return
         hooks.__exit__(exc_type, exc, tb)
-        if exc_type is not None and hooks.has_hooks:
+        if exc_type is not None and self._counted:
             # A failed layer (out of memory, say) ends the iteration: its buffers go,
             # and training that skips the batch continues exactly.
             self.awaiting_sync = False
