@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from . import v1, v2
+from ._args import check_bool
 from ._selection import mark_activation_offload, mark_not_offload
 from ._state import is_cpu_offload_enabled, is_current_layer_offloaded
 from ._switch import ENV_VAR, use_v1
@@ -77,6 +78,7 @@ def get_cpu_offload_context(
     synchronization_dict: dict[int, tuple[bool, int, bool, int]] | None = None,
     min_tensor_size_to_offload: int = DEFAULT_MIN_TENSOR_SIZE,
     transport: Transport | None = None,
+    duplex: bool = False,
 ) -> Any:
     """The offload context of the backend ``NVTE_CPU_OFFLOAD_V1`` selects.
 
@@ -84,7 +86,8 @@ def get_cpu_offload_context(
     Engine's positional order). Under V1, the V2-only arguments
     (``manual_synchronization``, ``retain_pinned_cpu_buffers``, ``offload_stream``,
     ``synchronization_dict``, ``min_tensor_size_to_offload``) must keep their defaults:
-    V1 has no such feature, and ignoring a request silently would be wrong.
+    V1 has no such feature, and ignoring a request silently would be wrong. ``duplex``
+    is accepted by both (V1 always reloads on a stream of its own).
 
     Returns:
         What the selected backend returns.
@@ -110,7 +113,10 @@ def get_cpu_offload_context(
             synchronization_dict=synchronization_dict,
             min_tensor_size_to_offload=min_tensor_size_to_offload,
             transport=transport,
+            duplex=duplex,
         )
+    # V1 always reloads on a stream of its own: duplex asks for what it does already.
+    check_bool("duplex", duplex)
     v2_only = {
         "manual_synchronization": (manual_synchronization, False),
         "retain_pinned_cpu_buffers": (retain_pinned_cpu_buffers, False),

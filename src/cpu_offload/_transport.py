@@ -171,6 +171,8 @@ class Transport(ABC):
         #: When a list, each copy and each compute-stream wait is recorded in it with
         #: timing events (for the comparison tool's bandwidth, stall and timeline).
         self.timeline: list[TimedSpan] | None = None
+        #: Host buffer address -> the event of the last reload copy that read it.
+        self._read_until: dict[int, object] = {}
 
     @abstractmethod
     def accepts(self, tensor: torch.Tensor) -> bool:
@@ -213,6 +215,30 @@ class Transport(ABC):
     def capturing(self) -> bool:
         """Whether a CUDA graph is being captured on the current stream."""
         return False
+
+    @property
+    def duplex(self) -> bool:
+        """Whether reloads run on a stream of their own (both directions copy at once)."""
+        return False
+
+    def host_read_until(self, buffer: torch.Tensor, event: object | None) -> None:
+        """Record that a reload copy reads host ``buffer`` until ``event``.
+
+        Called when the buffer is given back (to the pool, or kept for the next
+        iteration): with a separate reload stream, a later offload that writes into it
+        must not overtake that read (:meth:`pending_host_read`). Nothing is kept where
+        both directions share one stream, whose copies run in the order queued, nor
+        while a CUDA graph is captured (its events belong to the graph, which joins
+        every stream back at its end).
+        """
+        if self.duplex and event is not None and not self.capturing():
+            self._read_until[buffer.data_ptr()] = event
+
+    def pending_host_read(self, dst: torch.Tensor) -> object | None:
+        """The event an offload into ``dst`` must wait for first, once (then forgotten)."""
+        if not self._read_until:
+            return None
+        return self._read_until.pop(dst.data_ptr(), None)
 
     def offload_all(
         self, copies: Sequence[tuple[torch.Tensor, object | None, torch.Tensor]]
@@ -260,7 +286,9 @@ class CudaTransport(Transport):
         stream: The copy stream; a new one is created on the current device if None.
         pool: Host buffer pool; a new pinned pool if None.
         reload_stream: A separate stream for host-to-device copies, so that both
-            directions run at once; the same stream as ``stream`` if None.
+            directions run at once (the duplex schedule); the same stream as
+            ``stream`` if None. A host buffer is then written by an offload only after
+            the reload that last read it has finished.
 
     Raises:
         RuntimeError: If CUDA is not available.
@@ -282,9 +310,18 @@ class CudaTransport(Transport):
             raise TypeError(
                 f"offload_stream must be a torch.cuda.Stream or None, got {type(stream).__name__}"
             )
+        if reload_stream is not None and not isinstance(reload_stream, torch.cuda.Stream):
+            raise TypeError(
+                "reload_stream must be a torch.cuda.Stream or None, got "
+                f"{type(reload_stream).__name__}"
+            )
         super().__init__(pool if pool is not None else HostBufferPool(pin_memory=True))
         self.stream = stream if stream is not None else torch.cuda.Stream()
         self.reload_stream = reload_stream if reload_stream is not None else self.stream
+
+    @property
+    def duplex(self) -> bool:
+        return self.reload_stream is not self.stream
 
     def accepts(self, tensor: torch.Tensor) -> bool:
         return tensor.is_cuda
@@ -331,12 +368,21 @@ class CudaTransport(Transport):
             self.timeline.append(TimedSpan(kind, nbytes, start, done))
         return done, nbytes
 
+    def _wait_for_host_reads(self, dst: torch.Tensor) -> None:
+        # With a separate reload stream, a host buffer given back while its reload copy
+        # still ran could be written by this offload first: wait for that read.
+        read = self.pending_host_read(dst)
+        if read is not None:
+            assert isinstance(read, torch.cuda.Event)
+            self.stream.wait_event(read)
+
     def offload(
         self, src: torch.Tensor, ready: object | None, dst: torch.Tensor
     ) -> torch.cuda.Event:
         if ready is not None:
             assert isinstance(ready, torch.cuda.Event)
             self.stream.wait_event(ready)
+        self._wait_for_host_reads(dst)
         done, nbytes = self._copy("offload", self.stream, src, dst)
         self.bytes_offloaded += nbytes
         return done
@@ -369,6 +415,7 @@ class CudaTransport(Transport):
                     if ready is not None and ready is not waited:
                         stream.wait_event(ready)  # type: ignore[arg-type]
                         waited = ready
+                    self._wait_for_host_reads(dst)
                     dst.copy_(src, non_blocking=True)
                     self.bytes_offloaded += dst.nbytes
         except BaseException:
@@ -445,15 +492,19 @@ class HostTransport(Transport):
         return None
 
 
-def default_transport(offload_stream: torch.cuda.Stream | None = None) -> Transport:
+def default_transport(
+    offload_stream: torch.cuda.Stream | None = None, duplex: bool = False
+) -> Transport:
     """The transport used when the caller names none.
 
-    :class:`CudaTransport` when CUDA is available. Without CUDA there are no CUDA
-    tensors to offload, and the CPU stand-in runs the same logic on CPU tensors so that
-    programs written for the GPU still run (and can be tested) on a CPU-only machine.
+    :class:`CudaTransport` when CUDA is available, with a separate reload stream if
+    ``duplex``. Without CUDA there are no CUDA tensors to offload, and the CPU stand-in
+    runs the same logic on CPU tensors so that programs written for the GPU still run
+    (and can be tested) on a CPU-only machine; its copies are synchronous, so ``duplex``
+    changes nothing there.
     """
     if torch.cuda.is_available():
-        return CudaTransport(offload_stream)
+        return CudaTransport(offload_stream, reload_stream=torch.cuda.Stream() if duplex else None)
     if offload_stream is not None:
         raise TypeError("offload_stream was given but CUDA is not available")
     return HostTransport()

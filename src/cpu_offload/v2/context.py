@@ -180,6 +180,7 @@ def get_cpu_offload_context(
     synchronization_dict: dict[int, tuple[bool, int, bool, int]] | None = None,
     min_tensor_size_to_offload: int = DEFAULT_MIN_TENSOR_SIZE,
     transport: Transport | None = None,
+    duplex: bool = False,
 ) -> tuple[Any, Any] | tuple[Any, Any, ManualOffloadSynchronizer | None]:
     """Make the context and sync function that offload activations to host memory.
 
@@ -213,6 +214,13 @@ def get_cpu_offload_context(
         transport: What moves the bytes. By default the CUDA transport when CUDA is
             available, else the CPU stand-in (copies between CPU tensors), so that the
             same program runs and can be tested on a machine without a GPU.
+        duplex: Copy back to the GPU on a stream of its own, so that reloads never queue
+            behind offloads and both directions of the link run at once. The schedule's
+            points (and so the peak memory) are those of the default; reloads and
+            offloads overlap where the schedule lets a layer's reload start while
+            another's offload still runs (``synchronization_dict`` pipeline schedules,
+            manual synchronization). Ignored by the CPU stand-in, whose copies are
+            synchronous. Excludes ``transport`` (give that one a ``reload_stream``).
 
     Returns:
         ``(context, sync_function)``, or ``(context, sync_function, synchronizer)`` with
@@ -221,8 +229,8 @@ def get_cpu_offload_context(
     Raises:
         TypeError: If an argument has the wrong type.
         ValueError: If ``model_layers < 1``, ``num_layers`` is outside
-            ``[0, model_layers - 1]``, nothing is to be offloaded, or the
-            ``synchronization_dict`` is invalid.
+            ``[0, model_layers - 1]``, nothing is to be offloaded, the
+            ``synchronization_dict`` is invalid, or ``duplex`` is given with ``transport``.
 
     Example:
         >>> layers = [torch.nn.Linear(1024, 1024) for _ in range(4)]
@@ -241,6 +249,7 @@ def get_cpu_offload_context(
         ("double_buffering", double_buffering),
         ("manual_synchronization", manual_synchronization),
         ("retain_pinned_cpu_buffers", retain_pinned_cpu_buffers),
+        ("duplex", duplex),
     )
     for name, flag in flags:
         check_bool(name, flag)
@@ -286,7 +295,14 @@ def get_cpu_offload_context(
         k, _ = check_layer_counts(num_layers, model_layers)
         schedule = default_synchronization_dict(k, model_layers)
 
-    transport = transport if transport is not None else default_transport(offload_stream)
+    if duplex and transport is not None:
+        raise ValueError(
+            "duplex=True and transport= exclude each other: give the transport its own "
+            "reload stream (CudaTransport(stream, reload_stream=torch.cuda.Stream())) "
+            "or pass duplex=True without a transport"
+        )
+    if transport is None:
+        transport = default_transport(offload_stream, duplex)
     policy = ActivationPolicy(min_tensor_size_to_offload, transport.accepts)
     synchronizer: OffloadSynchronizer
     if manual_synchronization:

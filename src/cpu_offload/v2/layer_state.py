@@ -361,6 +361,8 @@ class OffloadableLayerState:
                     self.transport.wait(unit.copied)
                     waited = unit.copied
                 self._join_reload(unit, stream)
+                if unit.host is not None and unit.restored is not None:
+                    self.transport.host_read_until(unit.host, unit.restored)
                 if (
                     unit.host is not None
                     and not self.retain_pinned_cpu_buffers
