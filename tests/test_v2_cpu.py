@@ -421,6 +421,19 @@ def test_only_offloaded_layers_run_with_saved_tensor_hooks():
     x.sum().backward()
 
 
+def test_a_replaced_synchronizer_receives_the_tensors():
+    ctx, sync = _ctx(1)
+    other, _ = _ctx(1)
+    ctx.offload_synchronizer = other.offload_synchronizer
+    x = _leaf(64, 64)
+    for _ in range(N):
+        with ctx:
+            x = x * x.exp()
+        x = sync(x)
+    x.sum().backward()
+    assert other.offload_synchronizer.transport.bytes_offloaded > 0
+
+
 def test_inside_context_and_queries():
     ctx, sync = _ctx(1)
     assert not ctx.inside_context

@@ -48,6 +48,7 @@ class OffloadContext:
         # Made once and entered per layer: an offloaded layer's tensors go through the
         # synchronizer; any other layer saves its tensors untouched, without hooks.
         self._offload_hooks = ActiveHooks(self, synchronizer.push_tensor, synchronizer.pop_tensor)
+        self._hooks_of = synchronizer  # the synchronizer _offload_hooks call
         self._plain_hooks = ActiveHooks(self)
 
     def is_current_layer_offloaded(self) -> bool:
@@ -86,6 +87,9 @@ class OffloadContext:
             # Leave nothing behind: the next forward starts a fresh iteration at layer 0.
             sync.start_new_iteration()
             raise
+        if self._hooks_of is not sync:  # offload_synchronizer was replaced
+            self._offload_hooks = ActiveHooks(self, sync.push_tensor, sync.pop_tensor)
+            self._hooks_of = sync
         hooks = self._offload_hooks if sync.is_layer_offloaded(layer) else self._plain_hooks
         hooks.__enter__()  # last step: nothing after it can fail
         self._hooks = hooks
