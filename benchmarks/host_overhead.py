@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cpu_offload import v2
+from cpu_offload import CudaTransport, HostTransport, Transport, v2
 from cpu_offload.models import ModelSpec, build_layers
 
 CUDA_SPEC = ModelSpec(kind="gpt", hidden=2048, heads=16, seq=2048, batch=2, layers=8,
@@ -49,6 +49,11 @@ NEVER = 1 << 62  # a size threshold no tensor reaches: hooks run, nothing is eli
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
+
+
+def _transport(device: str) -> Transport:
+    # Named, so that --device cpu measures the stand-in even where CUDA is available.
+    return CudaTransport() if device == "cuda" else HostTransport()
 
 
 def _clock(device: str) -> Callable[[], float]:
@@ -111,7 +116,9 @@ def _time(fn: Callable[[], None], device: str, repeat: int) -> float:
 
 def engine(device: str, layers: int = 8, k: int = 4, per_layer: int = 16) -> dict:
     """Host time per offloaded tensor and per layer of the engine alone (microseconds)."""
-    sync = v2.DefaultOffloadSynchronizer(layers, k, policy=lambda t: True)
+    sync = v2.DefaultOffloadSynchronizer(
+        layers, k, transport=_transport(device), policy=lambda t: True
+    )
     tensors = [torch.randn(256, device=device) + i for i in range(per_layer)]
     empty: list[torch.Tensor] = []
     for _ in range(3):
@@ -163,10 +170,12 @@ def run_model(spec: ModelSpec, device: str, k: int, duplex: bool, turns: int, st
         Variant("v2 nothing eligible", {"num_layers": k, "min_tensor_size_to_offload": NEVER}),
         Variant(f"v2 k={k}", {"num_layers": k, **small}),
     ]
-    if duplex:
+    if duplex and device == "cuda":  # the stand-in's copies are synchronous: no second lane
         variants.append(Variant(f"v2 k={k} duplex", {"num_layers": k, "duplex": True, **small}))
     for v in variants:
         if v.kwargs is not None:
+            if not v.kwargs.get("duplex"):  # duplex makes its own transport
+                v.kwargs["transport"] = _transport(device)
             v.ctx, v.sync = v2.get_cpu_offload_context(
                 enabled=True, model_layers=spec.layers, **v.kwargs
             )
