@@ -10,9 +10,18 @@ foreach, for-loop), and prints a markdown table with Megatron's reference ratios
 ours. The reference ratios were measured at the full size on an H100 80GB HBM3 with 16
 host cores; shrunk runs (``--hidden`` etc.) are for smoke tests only.
 
+With ``--peer PATH`` (Megatron-LM's ``hybrid_optimizer.py``, or a folder holding it),
+Megatron's HybridDeviceOptimizer also runs beside ours in the same process, both with
+fused ``torch.optim.AdamW`` on each side, timed as whole training iterations back to
+back (so that a host step finishing under the next forward is counted where it is
+waited for): Megatron's, ours, ours with ``overlap_host_step_with_forward`` and ours
+with that and ``offload_last_layers``, per fraction and overlap setting; ours with early
+gradient copies on and off where ``--early-grad-copy both`` asks for it.
+
 Usage::
 
     python benchmarks/optimizer_offload.py                      # full workload C
+    python benchmarks/optimizer_offload.py --peer .peer --early-grad-copy both
     python benchmarks/optimizer_offload.py --hidden 1024 --blocks 4 --tokens 2048 --steps 3
     python benchmarks/optimizer_offload.py --json results/optimizer_offload.json
 """
@@ -105,6 +114,25 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         default="fused,foreach,forloop",
         help="host AdamW implementations to time alone (default fused,foreach,forloop)",
     )
+    parser.add_argument(
+        "--peer",
+        type=Path,
+        default=None,
+        help="Megatron-LM's hybrid_optimizer.py (or a folder holding it): run its "
+        "HybridDeviceOptimizer beside ours",
+    )
+    parser.add_argument(
+        "--early-grad-copy",
+        choices=["auto", "on", "off", "both"],
+        default="auto",
+        help="early gradient copies in the side-by-side rows of ours (default auto: the "
+        "optimizer's default; both: one row each, to choose per fraction)",
+    )
+    parser.add_argument(
+        "--side-by-side-only",
+        action="store_true",
+        help="with --peer: skip the rows measured step by step and the host AdamW timings",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args(argv)
     for name in ("hidden", "blocks", "tokens", "steps"):
@@ -116,6 +144,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--fractions must be comma-separated numbers, got {args.fractions!r}")
     if any(not 0.0 < f <= 1.0 for f in args.fraction_list):
         parser.error("--fractions must lie in (0, 1]")
+    if args.peer is not None and not args.peer.exists():
+        parser.error(f"--peer: {args.peer} does not exist (Megatron-LM's hybrid_optimizer.py)")
     args.impl_list = [x.strip() for x in args.host_impls.split(",") if x.strip()]
     bad = set(args.impl_list) - {"fused", "foreach", "forloop"}
     if bad:
@@ -189,6 +219,16 @@ def main(argv: list[str] | None = None) -> int:
         print("- Megatron's reference columns are for the full-size workload only")
     print()
 
+    side: list[dict[str, Any]] = []
+    if args.peer is not None:
+        if not cuda:
+            print("error: --peer needs a CUDA GPU (Megatron's optimizer is CUDA-only)")
+            return 2
+        side = side_by_side(args, device, loss_fn)
+        if args.side_by_side_only:
+            _write_json(args, {"meta": meta, "side_by_side": side})
+            return 0
+
     kw: dict[str, Any] = {"lr": 1e-4, "weight_decay": 0.01, "param_update_in_fp32": True}
     run = {"steps": args.steps, "warmup": args.warmup, **kw}
     base = measure_optimizer(model, loss_fn, offload_fraction=0.0, **run)
@@ -252,9 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
         payload = {
             "meta": meta,
+            "side_by_side": side,
             "rows": rows,
             "host_adamw_params_per_s": host,
             "host_adamw_numel": host_numel,
@@ -265,9 +305,89 @@ def main(argv: list[str] | None = None) -> int:
                 "megatron_host_adamw_params_per_s": MEGATRON_HOST_ADAMW,
             },
         }
-        args.json.write_text(json.dumps(payload, indent=2) + "\n")
-        print(f"\nwrote {args.json}")
+        _write_json(args, payload)
     return 0
+
+
+def _write_json(args: argparse.Namespace, payload: dict[str, Any]) -> None:
+    if args.json is None:
+        return
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"\nwrote {args.json}")
+
+
+def side_by_side(
+    args: argparse.Namespace, device: torch.device, loss_fn: Any
+) -> list[dict[str, Any]]:
+    """Megatron's HDO and ours on fresh copies of the model, timed the same way."""
+    from _peer_hdo import load_peer, time_training
+
+    from cpu_offload.optim import HybridDeviceOptimizer
+
+    peer = load_peer(args.peer)
+    common: dict[str, Any] = {
+        "cpu_optimizer_cls": torch.optim.AdamW,
+        "gpu_optimizer_cls": torch.optim.AdamW,
+        "param_update_in_fp32": True,
+        "lr": 1e-4,
+        "weight_decay": 0.01,
+        "fused": True,
+    }
+    early = {"auto": [None], "on": [True], "off": [False], "both": [True, False]}
+    ours_variants: list[tuple[str, dict[str, Any]]] = []
+    for e in early[args.early_grad_copy]:
+        extra = {} if e is None else {"early_grad_copy": e}
+        tag = "" if e is None else f", early copies {'on' if e else 'off'}"
+        ours_variants += [
+            (f"ours{tag}", {**extra}),
+            (
+                f"ours, host step under forward{tag}",
+                {"overlap_host_step_with_forward": True, **extra},
+            ),
+            (
+                f"ours, under forward, last layers offloaded{tag}",
+                {"overlap_host_step_with_forward": True, "offload_last_layers": True, **extra},
+            ),
+        ]
+    rows: list[dict[str, Any]] = []
+    settings = [(0.0, True)] + [(f, o) for f in args.fraction_list for o in (True, False)]
+    for fraction, overlap in settings:
+        kw = {**common, "offload_fraction": fraction, "overlap_cpu_optimizer_d2h_h2d": overlap}
+        candidates: list[tuple[str, Any, dict[str, Any]]] = [("Megatron", peer, {})]
+        candidates += [(name, HybridDeviceOptimizer, extra) for name, extra in ours_variants]
+        if fraction == 0.0:
+            candidates = candidates[:2]
+        for name, cls, extra in candidates:
+            model = build_model(args.hidden, args.blocks, device)
+            params = list(model.parameters())
+            result = time_training(
+                model,
+                loss_fn,
+                lambda cls=cls, extra=extra, params=params, kw=kw: cls(params, **kw, **extra),
+                args.steps,
+                args.warmup,
+            )
+            result.update(name=name, fraction=fraction, overlap=overlap)
+            rows.append(result)
+            del model, params
+    megatron = {
+        (r["fraction"], r["overlap"]): r["iteration_ms"] for r in rows if r["name"] == "Megatron"
+    }
+    print("Side by side with Megatron's HybridDeviceOptimizer (whole iterations, back to back):\n")
+    print(
+        "| fraction | overlap | optimizer | iteration ms | / Megatron | GPU state GiB | peak GiB | checksum |"
+    )
+    print("|---:|---|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        ratio = r["iteration_ms"] / megatron[(r["fraction"], r["overlap"])]
+        print(
+            f"| {r['fraction']:g} | {'on' if r['overlap'] else 'off'} | {r['name']} | "
+            f"{r['iteration_ms']:.1f} | {ratio:.2f} | {r['state_gib']:.2f} | "
+            f"{r['peak_allocated_gib']:.2f} | {r['checksum']:.6g} |"
+        )
+    print()
+    return rows
 
 
 if __name__ == "__main__":

@@ -11,6 +11,10 @@ import os
 import pytest
 import torch
 
+# Scripts that tests run in subprocesses: not test modules, and not to be imported (their
+# doctests are collected with --doctest-modules otherwise).
+collect_ignore = ["scripts"]
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():

@@ -101,3 +101,74 @@ def test_cli_plot(tmp_path):
 )
 def test_cli_bad_arguments_name_the_option(args, message, capsys):
     assert message in cli_usage_error([*SMALL, *args], capsys)
+
+
+@pytest.mark.parametrize("option", ["--sim-link-gbps", "--sim-tflops"])
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "fast"])
+def test_cli_simulation_figures_must_be_positive_numbers(option, value, capsys):
+    err = cli_usage_error(["compare", f"{option}={value}", "--quiet"], capsys)
+    assert f"{option} must be a" in err and repr(value) in err
+
+
+@pytest.mark.parametrize("option", ["--json", "--plot"])
+def test_cli_output_in_a_missing_folder_fails_before_the_run(option, tmp_path, capsys):
+    path = tmp_path / "missing" / "out.file"
+    err = cli_usage_error(["compare", option, str(path)], capsys)
+    assert option in err and "does not exist" in err
+    assert "cpu-offload: reference run" not in err  # nothing ran
+
+
+def test_cli_layers_has_an_upper_bound(capsys):
+    from cpu_offload.cli import MAX_LAYERS
+
+    err = cli_usage_error(["compare", "--layers", str(MAX_LAYERS + 1)], capsys)
+    assert f"--layers must be in [1, {MAX_LAYERS}]" in err
+
+
+def test_cli_missing_matplotlib_is_reported_before_the_run(monkeypatch, tmp_path, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
+    err = cli_usage_error(["compare", "--plot", str(tmp_path / "t.png")], capsys)
+    assert "--plot needs matplotlib" in err and "reference run" not in err
+
+
+def test_cli_version(capsys):
+    from cpu_offload import __version__
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"cpu-offload {__version__}"
+
+
+def test_cli_help_shows_every_default(capsys):
+    with pytest.raises(SystemExit):
+        main(["compare", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for option in (
+        "--model",
+        "--hidden",
+        "--heads",
+        "--seq",
+        "--batch",
+        "--layers",
+        "--offloaded",
+        "--dtype",
+        "--steps",
+        "--warmup",
+        "--variants",
+        "--device",
+        "--min-tensor-size",
+        "--sim-tflops",
+        "--sim-link-gbps",
+    ):
+        after = text.split(f"{option} ", 2)[-1]
+        help_text = after.split(" --", 1)[0]
+        assert "default" in help_text, f"{option}: {help_text!r}"
+
+
+def test_cli_default_offloaded_fits_the_layers(capsys):
+    argv = "compare --hidden 32 --heads 4 --seq 16 --batch 2 --layers 2 --no-optimizer"
+    assert main([*argv.split(), "--variants", "v2", "--min-tensor-size", "64", *SMALL[-5:]]) == 0
+    assert "k=1 offloaded" in capsys.readouterr().out

@@ -1,9 +1,9 @@
 """CPU tests of cpu_offload.optim (no GPU needed).
 
 The optimizer's split, step, early-copy and state-dict logic is exercised with CPU
-tensors standing in for device parameters: ``_CpuAsDevice`` overrides the test seam
-``_is_device_param`` (real use never treats CPU tensors as device tensors, see
-``test_real_use_never_offloads_cpu_params``). Copies are then synchronous, everything
+tensors standing in for device parameters: ``_CpuAsDevice`` passes
+``is_device_param=lambda p: True`` (real use never treats CPU tensors as device tensors,
+see ``test_real_use_never_offloads_cpu_params``). Copies are then synchronous, everything
 else is the code that runs on a GPU.
 """
 
@@ -25,7 +25,7 @@ from cpu_offload.optim import (
     measure_optimizer,
     optimizer_device_state_bytes,
 )
-from cpu_offload.optim._hybrid import _fingerprint
+from cpu_offload.optim._fingerprint import fingerprint as _fingerprint
 
 # The for-loop implementations are used where a test compares against a plain optimizer:
 # they are fast on tiny tensors (the fused CPU kernels have a large fixed cost) and the
@@ -39,8 +39,12 @@ class _CpuAsDevice(HybridDeviceOptimizer):
 
     _early_min_numel = 0  # the test model's gradients are tiny
 
-    def _is_device_param(self, param: torch.Tensor) -> bool:
-        return True
+    def __init__(self, params: Any, **kwargs: Any) -> None:
+        super().__init__(params, is_device_param=_every_param, **kwargs)
+
+
+def _every_param(param: torch.Tensor) -> bool:
+    return True
 
 
 def _model(dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Sequential:
@@ -147,6 +151,8 @@ def test_our_keywords_checked() -> None:
         HybridDeviceOptimizer(_model().parameters(), grad_copy_dtype=torch.float32)
     with pytest.raises(TypeError, match="early_grad_copy"):
         HybridDeviceOptimizer(_model().parameters(), early_grad_copy="yes")
+    with pytest.raises(TypeError, match="is_device_param must be a callable"):
+        HybridDeviceOptimizer(_model().parameters(), is_device_param=True)
 
 
 def test_constructor_signature_is_megatrons() -> None:

@@ -132,36 +132,121 @@ def test_top_level_v1_runs_a_layer_loop(monkeypatch):
     ("kwargs", "name"),
     [
         ({"manual_synchronization": True}, "manual_synchronization"),
-        ({"retain_pinned_cpu_buffers": True}, "retain_pinned_cpu_buffers"),
         ({"synchronization_dict": {0: (True, 1, False, 0)}}, "synchronization_dict"),
         ({"synchronization_dict": {}}, "synchronization_dict"),
-        ({"min_tensor_size_to_offload": 1}, "min_tensor_size_to_offload"),
-        ({"offload_stream": object()}, "offload_stream"),
     ],
 )
 @pytest.mark.parametrize("enabled", [True, False])
-def test_v2_only_arguments_rejected_under_v1(kwargs, name, enabled, monkeypatch):
+def test_contract_arguments_rejected_under_v1(kwargs, name, enabled, monkeypatch):
     monkeypatch.setenv(ENV_VAR, "1")
     with pytest.raises(ValueError) as info:
         cpu_offload.get_cpu_offload_context(enabled, 1, 2, **kwargs)
     msg = str(info.value)
     assert name in msg and ENV_VAR in msg, msg
-    monkeypatch.setenv(ENV_VAR, "0")  # the same call is fine under V2 (or a V2 type error)
-    try:
-        cpu_offload.get_cpu_offload_context(enabled, 1, 3, **kwargs, transport=HostTransport())
-    except TypeError as err:
-        assert name == "offload_stream" and "offload_stream" in str(err)
+    monkeypatch.setenv(ENV_VAR, "0")  # the same call is fine under V2
+    cpu_offload.get_cpu_offload_context(enabled, 1, 3, **kwargs, transport=HostTransport())
 
 
-def test_all_v2_only_arguments_named_together(monkeypatch):
+def test_both_contract_arguments_named_together(monkeypatch):
     monkeypatch.setenv(ENV_VAR, "yes")
     with pytest.raises(ValueError) as info:
         cpu_offload.get_cpu_offload_context(
-            True, 1, 2, manual_synchronization=True, min_tensor_size_to_offload=0
+            True, 1, 2, manual_synchronization=True, synchronization_dict={}
         )
     msg = str(info.value)
-    assert "manual_synchronization" in msg and "min_tensor_size_to_offload" in msg
-    assert " are V2-only" in msg
+    assert "manual_synchronization and synchronization_dict are V2-only" in msg, msg
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "names"),
+    [
+        ({"retain_pinned_cpu_buffers": True}, ["retain_pinned_cpu_buffers"]),
+        ({"min_tensor_size_to_offload": 1}, ["min_tensor_size_to_offload"]),
+        (
+            {"retain_pinned_cpu_buffers": True, "min_tensor_size_to_offload": 0},
+            ["retain_pinned_cpu_buffers", "min_tensor_size_to_offload"],
+        ),
+    ],
+)
+def test_tuning_arguments_warn_once_under_v1(kwargs, names, monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "1")
+    with pytest.warns(UserWarning) as record:
+        ctx, commit = cpu_offload.get_cpu_offload_context(True, 1, 2, **kwargs)
+    assert isinstance(ctx, CpuOffloadHookWithOffloadHandler)
+    ours = [str(w.message) for w in record if "no effect under V1" in str(w.message)]
+    assert len(ours) == 1, ours
+    assert all(name in ours[0] for name in names), ours[0]
+    assert record[0].filename == __file__
+
+
+def test_tuning_arguments_quiet_when_disabled_under_v1(monkeypatch, recwarn):
+    monkeypatch.setenv(ENV_VAR, "1")
+    ctx, _ = cpu_offload.get_cpu_offload_context(False, 1, 2, retain_pinned_cpu_buffers=True)
+    assert isinstance(ctx, contextlib.nullcontext)
+    assert not [w for w in recwarn if "no effect under V1" in str(w.message)]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"retain_pinned_cpu_buffers": 1}, "retain_pinned_cpu_buffers"),
+        ({"min_tensor_size_to_offload": 1.5}, "min_tensor_size_to_offload"),
+        ({"offload_stream": object()}, "offload_stream"),
+    ],
+)
+def test_tuning_arguments_type_checked_under_v1(kwargs, name, monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "1")
+    with pytest.raises(TypeError, match=name):
+        cpu_offload.get_cpu_offload_context(True, 1, 2, **kwargs)
+
+
+def test_megatron_positional_call_with_retained_buffers_under_v1(tmp_path):
+    """Megatron-Core's call, with the variable set before the process starts, trains."""
+    script = textwrap.dedent(
+        """
+        import warnings
+        import torch
+        import cpu_offload
+        from cpu_offload.v1 import CpuOffloadHookWithOffloadHandler
+
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            ctx, commit = cpu_offload.get_cpu_offload_context(
+                True, 1, 2, True, False, False, retain_pinned_cpu_buffers=True
+            )
+        assert isinstance(ctx, CpuOffloadHookWithOffloadHandler), type(ctx)
+        ours = [w for w in record if "no effect under V1" in str(w.message)]
+        assert len(ours) == 1, [str(w.message) for w in record]
+        torch.manual_seed(0)
+        layers = [torch.nn.Linear(16, 16) for _ in range(2)]
+        x0 = torch.randn(8, 16, requires_grad=True)
+        x = x0
+        for layer in layers:
+            with ctx:
+                cpu_offload.mark_activation_offload(x)
+                x = layer(x)
+            x = commit(x)
+        x.sum().backward()
+        grads = [p.grad.clone() for layer in layers for p in layer.parameters()]
+        for layer in layers:
+            layer.zero_grad()
+        y0 = x0.detach().requires_grad_()
+        layers[1](layers[0](y0)).sum().backward()
+        ref = [p.grad for layer in layers for p in layer.parameters()]
+        assert all(torch.equal(a, b) for a, b in zip(grads, ref))
+        assert torch.equal(x0.grad, y0.grad)
+        print("trained")
+        """
+    )
+    env = dict(os.environ)
+    env[ENV_VAR] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), env.get("PYTHONPATH")]))
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["trained"], proc.stdout
 
 
 def test_v2_only_defaults_pass_under_v1(monkeypatch):

@@ -13,11 +13,14 @@ from typing import Any
 import torch
 
 from . import v1, v2
-from ._args import check_bool
+from ._args import check_bool, check_int
 from ._selection import mark_activation_offload, mark_not_offload
 from ._state import is_cpu_offload_enabled, is_current_layer_offloaded
 from ._switch import ENV_VAR, use_v1
 from ._transport import CudaTransport, HostBufferPool, HostTransport, Transport
+from ._warn import warn_at_caller
+from .layers import OffloadedLayers, offload_layers
+from .pipeline import PipelineStageOffload, plan_pipeline_offload
 from .v2 import (
     DefaultOffloadSynchronizer,
     ManualOffloadSynchronizer,
@@ -37,6 +40,8 @@ __all__ = [
     "ManualOffloadSynchronizer",
     "OffloadSynchronizer",
     "OffloadableLayerState",
+    "OffloadedLayers",
+    "PipelineStageOffload",
     "Transport",
     "__version__",
     "backend",
@@ -46,6 +51,8 @@ __all__ = [
     "is_current_layer_offloaded",
     "mark_activation_offload",
     "mark_not_offload",
+    "offload_layers",
+    "plan_pipeline_offload",
     "start_offload",
     "v1",
     "v2",
@@ -83,21 +90,26 @@ def get_cpu_offload_context(
     """The offload context of the backend ``NVTE_CPU_OFFLOAD_V1`` selects.
 
     Same signature as :func:`cpu_offload.v2.get_cpu_offload_context` (Transformer
-    Engine's positional order). Under V1, the V2-only arguments
-    (``manual_synchronization``, ``retain_pinned_cpu_buffers``, ``offload_stream``,
-    ``synchronization_dict``, ``min_tensor_size_to_offload``) must keep their defaults:
-    V1 has no such feature, and ignoring a request silently would be wrong. ``duplex``
-    is accepted by both (V1 always reloads on a stream of its own).
+    Engine's positional order), so that callers such as Megatron-Core, which pass
+    ``retain_pinned_cpu_buffers=`` whatever the switch says, run under both backends.
+    Under V1, the V2 arguments that only tune memory or copies
+    (``retain_pinned_cpu_buffers``, ``min_tensor_size_to_offload``, ``offload_stream``)
+    are accepted with one ``UserWarning`` saying they have no effect; the ones that
+    change the contract (``manual_synchronization=True``, which adds a return value, and
+    ``synchronization_dict``, which changes the schedule) are an error. ``duplex`` is
+    accepted by both (V1 always reloads on a stream of its own).
 
     Returns:
         What the selected backend returns.
 
     Raises:
-        ValueError: If ``NVTE_CPU_OFFLOAD_V1`` is not understood, or a V2-only argument
-            is given a non-default value under V1; and whatever the backend raises.
+        ValueError: If ``NVTE_CPU_OFFLOAD_V1`` is not understood, or
+            ``manual_synchronization=True`` or a ``synchronization_dict`` is given under
+            V1; and whatever the backend raises.
+        TypeError: If a V2 tuning argument has the wrong type under V1.
 
     Example:
-        >>> ctx, sync = get_cpu_offload_context(enabled=True, num_layers=1, model_layers=2)
+        >>> ctx, sync = get_cpu_offload_context(enabled=True, num_layers=2, model_layers=4)
     """
     if not use_v1():
         return v2.get_cpu_offload_context(
@@ -117,20 +129,14 @@ def get_cpu_offload_context(
         )
     # V1 always reloads on a stream of its own: duplex asks for what it does already.
     check_bool("duplex", duplex)
-    v2_only = {
-        "manual_synchronization": (manual_synchronization, False),
-        "retain_pinned_cpu_buffers": (retain_pinned_cpu_buffers, False),
-        "offload_stream": (offload_stream, None),
-        "synchronization_dict": (synchronization_dict, None),
-        "min_tensor_size_to_offload": (min_tensor_size_to_offload, DEFAULT_MIN_TENSOR_SIZE),
-    }
-    given = [name for name, (value, default) in v2_only.items() if value != default]
-    if given:
-        raise ValueError(
-            f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} V2-only, but "
-            f"{ENV_VAR} selects the V1 backend: unset {ENV_VAR} (or set it to 0) to use "
-            "V2, or leave these arguments at their defaults"
-        )
+    _check_v2_arguments_under_v1(
+        enabled,
+        manual_synchronization=manual_synchronization,
+        synchronization_dict=synchronization_dict,
+        retain_pinned_cpu_buffers=retain_pinned_cpu_buffers,
+        min_tensor_size_to_offload=min_tensor_size_to_offload,
+        offload_stream=offload_stream,
+    )
     if num_layers is None:
         raise TypeError("num_layers must be an int under the V1 backend, got None")
     return v1.get_cpu_offload_context(
@@ -142,3 +148,53 @@ def get_cpu_offload_context(
         double_buffering,
         transport=transport,
     )
+
+
+def _check_v2_arguments_under_v1(
+    enabled: bool,
+    *,
+    manual_synchronization: bool,
+    synchronization_dict: object,
+    retain_pinned_cpu_buffers: bool,
+    min_tensor_size_to_offload: int,
+    offload_stream: object,
+) -> None:
+    """Apply the V1 rule for V2's arguments: tuning ones warn, contract ones raise."""
+    contract = [
+        name
+        for name, given in (
+            ("manual_synchronization", manual_synchronization is not False),
+            ("synchronization_dict", synchronization_dict is not None),
+        )
+        if given
+    ]
+    if contract:
+        raise ValueError(
+            f"{' and '.join(contract)} {'is' if len(contract) == 1 else 'are'} V2-only "
+            f"and change{'s' if len(contract) == 1 else ''} what the function returns or "
+            f"its schedule, but {ENV_VAR} selects the V1 backend: unset {ENV_VAR} (or set "
+            "it to 0) to use V2, or drop these arguments"
+        )
+    check_bool("retain_pinned_cpu_buffers", retain_pinned_cpu_buffers)
+    check_int("min_tensor_size_to_offload", min_tensor_size_to_offload)
+    if offload_stream is not None and not isinstance(offload_stream, torch.cuda.Stream):
+        raise TypeError(
+            "offload_stream must be a torch.cuda.Stream or None, "
+            f"got {type(offload_stream).__name__}"
+        )
+    tuning = [
+        name
+        for name, given in (
+            ("retain_pinned_cpu_buffers", retain_pinned_cpu_buffers),
+            ("min_tensor_size_to_offload", min_tensor_size_to_offload != DEFAULT_MIN_TENSOR_SIZE),
+            ("offload_stream", offload_stream is not None),
+        )
+        if given
+    ]
+    if tuning and enabled:
+        warn_at_caller(
+            f"{', '.join(tuning)} only tune{'s' if len(tuning) == 1 else ''} the V2 backend "
+            f"and {'has' if len(tuning) == 1 else 'have'} no effect under V1 ({ENV_VAR} "
+            "is set): V1 offloads the tensors marked with mark_activation_offload, through "
+            f"its own copies; unset {ENV_VAR} to use V2"
+        )

@@ -128,7 +128,15 @@ def _is_weight(tensor: torch.Tensor) -> bool:
 
 
 def _never_offloaded(tensor: torch.Tensor) -> bool:
-    return _is_weight(tensor) or is_marked_not_offload(tensor) or is_fake_or_functional(tensor)
+    return (
+        # Sparse, quantized-sparse and nested tensors have no single storage to copy:
+        # they stay on the device, as every other tensor the engine cannot move whole.
+        tensor.layout is not torch.strided
+        or tensor.is_nested
+        or _is_weight(tensor)
+        or is_marked_not_offload(tensor)
+        or is_fake_or_functional(tensor)
+    )
 
 
 @dataclass(frozen=True)
@@ -136,8 +144,9 @@ class ActivationPolicy:
     """V2's automatic activation detection.
 
     A saved tensor is a candidate when it lives on the transport's device, has at least
-    ``min_numel`` elements, and is not a parameter, a marked weight, marked with
-    :func:`mark_not_offload`, or a fake/functional tensor. Whether its memory layout can
+    ``min_numel`` elements, has the strided layout (not sparse or nested), and is not a
+    parameter, a marked weight, marked with :func:`mark_not_offload`, or a
+    fake/functional tensor. Whether its memory layout can
     be restored is decided later, per layer, by the tensor-group processor.
 
     Args:

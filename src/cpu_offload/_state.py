@@ -7,6 +7,7 @@ context variable, so that threads and asyncio tasks each see their own.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from contextvars import ContextVar
 from types import TracebackType
@@ -17,6 +18,7 @@ import torch
 __all__ = [
     "ActiveContext",
     "ActiveHooks",
+    "ContextOwner",
     "active_context",
     "pop_active",
     "push_active",
@@ -85,6 +87,70 @@ class ActiveHooks:
         pop_active(self.owner)
         if self._hooks is not None:
             self._hooks.__exit__(exc_type, exc, tb)
+
+
+class ContextOwner:
+    """Which thread an offload context belongs to.
+
+    Saved-tensor hooks are per thread, but a context counts layers, iterations and
+    pending syncs for one sequence of layers: two threads driving one context would
+    interleave their layers. The first thread that enters a context owns it; another
+    thread entering it (at the same time or later, with a layer still waiting for its
+    sync) is refused with an error that says so, instead of failing later on a
+    confused count. The claim is a pop from a one-element list, which is atomic, so
+    two threads entering at once cannot both get in (and the object still deep-copies,
+    as configurations that hold a context need).
+    """
+
+    def __init__(self) -> None:
+        self._token = [True]
+        self._thread: int | None = None  # the thread inside the `with` block
+        self._last: int | None = None  # the thread that entered last
+
+    def claim(self, layer_pending: bool) -> None:
+        """Enter for the calling thread.
+
+        Args:
+            layer_pending: A layer entered earlier still waits for its sync/commit.
+
+        Raises:
+            RuntimeError: If the context is entered already (in this thread: a nested
+                ``with``; in another: a context shared between threads).
+        """
+        me = threading.get_ident()
+        try:
+            self._token.pop()
+        except IndexError:
+            if self._thread == me:
+                raise RuntimeError(
+                    "the CPU offload context is already entered (nested `with`): leave it "
+                    "before entering it again"
+                ) from None
+            raise self._foreign() from None
+        if layer_pending and self._last not in (None, me):
+            self._token.append(True)
+            raise self._foreign()
+        self._thread = self._last = me
+
+    def release(self) -> None:
+        """Leave (called by the owner's ``__exit__``); a no-op when not entered."""
+        if self._thread is None:
+            return
+        self._thread = None
+        self._token.append(True)
+
+    def check_caller(self, what: str) -> None:
+        """Refuse ``what`` from a thread other than the one inside the context."""
+        if self._thread is not None and self._thread != threading.get_ident():
+            raise self._foreign(what)
+
+    @staticmethod
+    def _foreign(what: str = "entered") -> RuntimeError:
+        return RuntimeError(
+            f"the CPU offload context was {what} from a second thread while another thread "
+            "uses it: an offload context belongs to one thread; make one context (one "
+            "get_cpu_offload_context call) per thread"
+        )
 
 
 def active_context() -> ActiveContext | None:

@@ -492,6 +492,24 @@ class HostTransport(Transport):
         return None
 
 
+def resolve_transport(
+    transport: object, offload_stream: torch.cuda.Stream | None = None, duplex: bool = False
+) -> Transport:
+    """``transport`` checked, or the default one (see :func:`default_transport`) when None.
+
+    Raises:
+        TypeError: If ``transport`` is neither None nor a :class:`Transport`.
+    """
+    if transport is None:
+        return default_transport(offload_stream, duplex)
+    if not isinstance(transport, Transport):
+        raise TypeError(
+            "transport must be a cpu_offload Transport (CudaTransport or HostTransport) or "
+            f"None, got {type(transport).__name__} {transport!r}"
+        )
+    return transport
+
+
 def default_transport(
     offload_stream: torch.cuda.Stream | None = None, duplex: bool = False
 ) -> Transport:

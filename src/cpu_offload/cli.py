@@ -3,30 +3,68 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 __all__ = ["main"]
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
-def _positive(name: str):  # type: ignore[no-untyped-def]
+#: The largest ``--layers``: a deeper built-in model is not a comparison but a long wait.
+MAX_LAYERS = 512
+
+
+def _int_in(name: str, low: int, high: int | None = None):  # type: ignore[no-untyped-def]
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {value}")
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{name} must be >= {low}, got {value}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"{name} must be in [{low}, {high}], got {value}")
         return value
+
+    return parse
+
+
+def _positive(name: str):  # type: ignore[no-untyped-def]
+    return _int_in(name, 1)
+
+
+def _positive_float(name: str):  # type: ignore[no-untyped-def]
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
+        if not math.isfinite(value) or value <= 0:
+            raise argparse.ArgumentTypeError(f"{name} must be a finite number > 0, got {text!r}")
+        return value
+
+    return parse
+
+
+def _output_path(name: str):  # type: ignore[no-untyped-def]
+    def parse(text: str) -> str:
+        folder = Path(text).expanduser().resolve().parent
+        if not folder.is_dir():
+            raise argparse.ArgumentTypeError(
+                f"{name} {text!r}: the folder {str(folder)!r} does not exist"
+            )
+        return text
 
     return parse
 
 
 def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     """The ``cpu-offload`` parser and its ``compare`` subparser."""
+    from . import __version__
     from .compare.variants import VARIANTS
     from .models import MODEL_KINDS
 
@@ -34,6 +72,7 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         prog="cpu-offload",
         description="Offload activations to host memory; compare V1, V2 and the alternatives.",
     )
+    parser.add_argument("--version", action="version", version=f"cpu-offload {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     c = sub.add_parser(
         "compare",
@@ -41,13 +80,14 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         "optimizer-state offloading",
         description=(
             "Runs the same layers and batch under each variant and reports numerics against "
-            "no offloading, peak GPU memory, median step time, copy bandwidth and stalls. "
-            "Without a GPU the layers run on the CPU stand-in: numerics are real, times and "
-            "memory are simulated (and said to be). Then trains the same model with "
-            "optimizer-state offloading at fractions 0, 0.25, 0.5 and 1.0, overlap on and "
-            "off, and reports step time, GPU memory of parameters plus optimizer state and "
-            "the parameters' difference against no offloading (without a GPU: a CPU "
-            "stand-in, memory by accounting, CPU times)."
+            "no offloading, peak GPU memory, median step time with its spread, copy "
+            "bandwidth and stalls. Without a GPU the layers run on the CPU stand-in: "
+            "numerics are real, times and memory are simulated (and said to be). Then "
+            "trains the same model with optimizer-state offloading at fractions 0, 0.25, "
+            "0.5 and 1.0, overlap on and off, and reports step time, GPU memory of "
+            "parameters plus optimizer state and the parameters' difference against no "
+            "offloading (without a GPU: a CPU stand-in, memory by accounting). Defaults "
+            "that differ by device are given as 'GPU / CPU'."
         ),
         epilog=(
             "Megatron Bridge overrides select configurations: "
@@ -64,35 +104,63 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         metavar="section.key=value",
         help="Megatron Bridge overrides (see below)",
     )
-    c.add_argument("--model", choices=MODEL_KINDS, default="gpt", help="layer kind (default gpt)")
-    c.add_argument("--hidden", type=_positive("--hidden"), help="model width")
-    c.add_argument("--heads", type=_positive("--heads"), help="attention heads")
-    c.add_argument("--seq", type=_positive("--seq"), help="sequence length")
-    c.add_argument("--batch", type=_positive("--batch"), help="batch size")
-    c.add_argument("--layers", type=_positive("--layers"), help="number of layers (n)")
+    c.add_argument(
+        "--model",
+        default="gpt",
+        metavar="MODEL",
+        help=f"a built-in layer kind ({', '.join(MODEL_KINDS)}); package.module:factory, "
+        "a function returning (model, make_batch[, loss_fn]), called with those of device, "
+        "dtype, seq and batch it accepts; or hf:PATH/config.json, a transformers causal "
+        "LM built from a config with random weights (pip install 'cpu-offload[hf]'). "
+        "The optimizer section runs on the built-in kinds only. (default: gpt)",
+    )
+    c.add_argument(
+        "--hidden",
+        type=_positive("--hidden"),
+        help="model width, built-in kinds (default: 2048 / 128)",
+    )
+    c.add_argument(
+        "--heads",
+        type=_positive("--heads"),
+        help="attention heads, built-in kinds (default: 16 / 4)",
+    )
+    c.add_argument("--seq", type=_positive("--seq"), help="sequence length (default: 2048 / 128)")
+    c.add_argument("--batch", type=_positive("--batch"), help="batch size (default: 2 / 4)")
+    c.add_argument(
+        "--layers",
+        type=_int_in("--layers", 1, MAX_LAYERS),
+        help=f"number of layers n, at most {MAX_LAYERS}; for hf: it overrides "
+        "num_hidden_layers (default: 8 / 6; hf: the config's)",
+    )
     c.add_argument(
         "--offloaded",
         type=int,
-        help="layers to offload or checkpoint (k, default 2); or model.cpu_offloading_num_layers=k",
+        help="layers to offload or checkpoint, k in [0, n-1]; or "
+        "model.cpu_offloading_num_layers=k (default: 2, 1 with fewer than 4 layers)",
     )
     c.add_argument(
-        "--dtype", choices=sorted(_DTYPES), help="bf16 on a GPU, fp32 on the CPU by default"
+        "--dtype", choices=sorted(_DTYPES), help="parameters' dtype (default: bf16 / fp32)"
     )
-    c.add_argument("--steps", type=_positive("--steps"), help="measured steps per variant")
     c.add_argument(
-        "--warmup", type=int, help="warm-up steps per variant (2 on a GPU, 1 on the CPU)"
+        "--steps",
+        type=_positive("--steps"),
+        help="measured steps per variant (default: about one second of steps, 10 to 50 / 2)",
     )
+    c.add_argument("--warmup", type=int, help="warm-up steps per variant (default: 2 / 1)")
     c.add_argument(
         "--variants",
         default="v1-sync,v1-async,v2,checkpoint,save_on_cpu",
-        help=f"comma-separated, from: {', '.join(VARIANTS)} (none always runs)",
+        help=f"comma-separated, from: {', '.join(VARIANTS)}; none always runs "
+        "(default: v1-sync,v1-async,v2,checkpoint,save_on_cpu)",
     )
-    c.add_argument("--device", choices=("cuda", "cpu"), help="cuda when available")
+    c.add_argument(
+        "--device", choices=("cuda", "cpu"), help="(default: cuda when available, else cpu)"
+    )
     c.add_argument(
         "--min-tensor-size",
         type=int,
-        help="smallest tensor to offload, in elements (262144 on a GPU; 8192 on the "
-        "CPU, whose default model is small)",
+        help="smallest tensor to offload, in elements (default: 262144 / 8192 for the "
+        "built-in kinds, 1024 for other models)",
     )
     c.add_argument(
         "--no-deterministic",
@@ -101,15 +169,15 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     )
     c.add_argument(
         "--sim-tflops",
-        type=float,
+        type=_positive_float("--sim-tflops"),
         default=400.0,
-        help="simulated mode: assumed device TFLOP/s (default 400)",
+        help="simulated mode: assumed device TFLOP/s, > 0 (default: 400)",
     )
     c.add_argument(
         "--sim-link-gbps",
-        type=float,
+        type=_positive_float("--sim-link-gbps"),
         default=50.0,
-        help="simulated mode: assumed copy bandwidth each way, GB/s (default 50)",
+        help="simulated mode: assumed copy bandwidth each way, GB/s, > 0 (default: 50)",
     )
     sections = c.add_mutually_exclusive_group()
     sections.add_argument(
@@ -122,10 +190,35 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         action="store_true",
         help="run only the optimizer-offloading section",
     )
-    c.add_argument("--json", metavar="PATH", help="write the full report as JSON")
-    c.add_argument("--plot", metavar="PATH.png", help="draw the timeline of one step and memory")
+    c.add_argument(
+        "--json",
+        metavar="PATH",
+        type=_output_path("--json"),
+        help="write the full report as JSON (its folder must exist)",
+    )
+    c.add_argument(
+        "--plot",
+        metavar="PATH.png",
+        type=_output_path("--plot"),
+        help="draw the timeline of one step and memory (needs matplotlib; its folder must exist)",
+    )
     c.add_argument("--quiet", action="store_true", help="no progress lines")
+    from .plan.cli import add_plan_parser
+
+    add_plan_parser(sub)
     return parser, c
+
+
+def _check_plot(parser: argparse.ArgumentParser, wanted: bool) -> None:
+    """Refuse ``--plot`` without matplotlib before anything runs."""
+    if not wanted:
+        return
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        parser.error(
+            "--plot needs matplotlib, which is not installed: pip install 'cpu-offload[plot]'"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -142,10 +235,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     # them as the positional, the later ones come back unparsed (and are checked by
     # parse_override like the others).
     args, extra = parser.parse_known_args(argv)
+    if args.command == "plan":
+        from .plan.cli import run_plan
+
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        return run_plan(args)
     unknown = [e for e in extra if e.startswith("-")]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     overrides = [*args.overrides, *extra]
+    _check_plot(compare_parser, bool(args.plot))
     # Deterministic cuBLAS needs this before CUDA starts, hence before anything else.
     if not args.no_deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -155,7 +255,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .compare.report import format_table, write_json, write_plot
     from .compare.runner import CompareConfig, run_compare
     from .compare.variants import VARIANTS
-    from .models import ModelSpec
+    from .compare.workload import Workload
+    from .models import MODEL_KINDS, ModelSpec
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
@@ -165,32 +266,57 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         parser.error(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+    builtin = args.model in MODEL_KINDS
+    if not builtin and ":" not in args.model:
+        compare_parser.error(
+            f"--model {args.model!r}: choose a built-in kind ({', '.join(MODEL_KINDS)}), "
+            "package.module:factory or hf:PATH/config.json"
+        )
+    if not builtin:
+        given = [o for o in ("hidden", "heads") if getattr(args, o) is not None]
+        if given:
+            compare_parser.error(
+                f"--{given[0]} applies to the built-in kinds only; {args.model} sets its own"
+            )
+        if args.layers is not None and not args.model.startswith("hf:"):
+            compare_parser.error("--layers applies to the built-in kinds and hf: models only")
+        if args.optimizer_only:
+            compare_parser.error(
+                "--optimizer-only: the optimizer section runs on the built-in kinds only"
+            )
+    dtype = getattr(torch, _DTYPES[args.dtype or ("bf16" if gpu else "fp32")])
+    seq = args.seq or (2048 if gpu else 128)
+    batch = args.batch or (2 if gpu else 4)
+    workload: Workload | None = None
+    if not builtin:
+        workload = _user_workload(compare_parser, args, device, dtype, seq, batch)
     try:
         selection = select_from_overrides(
             overrides,
-            layers=args.layers,
+            layers=args.layers if workload is None else len(workload.layers),
             offloaded=args.offloaded,
             default_layers=8 if gpu else 6,
             activation=not args.optimizer_only,
-            optimizer=not args.no_optimizer,
+            optimizer=not args.no_optimizer and workload is None,
         )
     except ValueError as err:
         compare_parser.error(str(err))
-    spec = ModelSpec(
-        kind=args.model,
-        hidden=args.hidden or (2048 if gpu else 128),
-        heads=args.heads or (16 if gpu else 4),
-        seq=args.seq or (2048 if gpu else 128),
-        batch=args.batch or (2 if gpu else 4),
-        layers=selection.layers,
-        dtype=getattr(torch, _DTYPES[args.dtype or ("bf16" if gpu else "fp32")]),
-    )
-    k = selection.num_offloaded
-    if spec.hidden % spec.heads:
-        parser.error(f"--heads ({spec.heads}) must divide --hidden ({spec.hidden})")
+    spec = None
+    if builtin:
+        spec = ModelSpec(
+            kind=args.model,
+            hidden=args.hidden or (2048 if gpu else 128),
+            heads=args.heads or (16 if gpu else 4),
+            seq=seq,
+            batch=batch,
+            layers=selection.layers,
+            dtype=dtype,
+        )
+        if spec.hidden % spec.heads:
+            parser.error(f"--heads ({spec.heads}) must divide --hidden ({spec.hidden})")
     min_numel = args.min_tensor_size
     if min_numel is None:
-        min_numel = 256 * 1024 if gpu else 8 * 1024
+        min_numel = 256 * 1024 if gpu else (8 * 1024 if builtin else 1024)
     if min_numel < 0:
         parser.error("--min-tensor-size must be >= 0")
     warmup = args.warmup if args.warmup is not None else (2 if gpu else 1)
@@ -200,9 +326,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.use_deterministic_algorithms(True)
     config = CompareConfig(
         spec=spec,
-        num_offloaded=k,
+        num_offloaded=selection.num_offloaded,
         variants=variants,
-        steps=args.steps or (10 if gpu else 2),
+        steps=args.steps if args.steps else (None if gpu else 2),
         warmup=warmup,
         min_numel=min_numel,
         device=device,
@@ -211,6 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sim_link_gbps=args.sim_link_gbps,
         activation=selection.activation,
         optimizer=selection.optimizer,
+        workload=workload,
     )
 
     def progress(msg: str) -> None:
@@ -218,6 +345,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"cpu-offload: {msg}", file=sys.stderr, flush=True)
 
     report = run_compare(config, progress)
+    if workload is not None and not args.no_optimizer:
+        report.notes.append(
+            "The optimizer section runs on the built-in layer kinds only: skipped for this model."
+        )
     print(format_table(report))
     if args.json:
         write_json(report, args.json)
@@ -226,3 +357,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_plot(report, args.plot)
         progress(f"wrote {args.plot}")
     return 0
+
+
+def _user_workload(parser, args, device, dtype, seq, batch):  # type: ignore[no-untyped-def]
+    """The workload of ``--model package.module:factory`` or ``--model hf:PATH``."""
+    from .compare.workload import factory_workload, hf_workload
+
+    try:
+        if args.model.startswith("hf:"):
+            path = args.model[3:]
+            if not Path(path).exists():
+                parser.error(f"--model {args.model!r}: {path!r} does not exist")
+            return hf_workload(path, device, dtype, seq, batch, args.layers)
+        return factory_workload(args.model, device, dtype, args.seq, args.batch)
+    except ValueError as err:
+        parser.error(str(err))

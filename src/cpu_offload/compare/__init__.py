@@ -1,6 +1,8 @@
 """``cpu-offload compare``: V1 against V2 (and the alternatives) on your model, and
-optimizer-state offloading fractions beside them."""
+optimizer-state offloading fractions beside them. :func:`compare_model` is the Python
+form."""
 
+from .model import DEFAULT_VARIANTS, compare_model, default_offloaded
 from .optimizer import (
     DEFAULT_FRACTIONS,
     OptimizerCompareConfig,
@@ -11,12 +13,15 @@ from .optimizer import (
     run_optimizer_compare,
 )
 from .overrides import CompareSelection, select_from_overrides
+from .report import format_table, write_json, write_plot
 from .runner import CompareConfig, CompareReport, VariantResult, measure_link, run_compare
 from .simulate import LayerProfile, SimResult, simulate
 from .variants import VARIANTS
+from .workload import Workload
 
 __all__ = [
     "DEFAULT_FRACTIONS",
+    "DEFAULT_VARIANTS",
     "VARIANTS",
     "CompareConfig",
     "CompareReport",
@@ -28,10 +33,16 @@ __all__ = [
     "OptimizerVariant",
     "SimResult",
     "VariantResult",
+    "Workload",
+    "compare_model",
+    "default_offloaded",
     "default_optimizer_variants",
+    "format_table",
     "measure_link",
     "run_compare",
     "run_optimizer_compare",
     "select_from_overrides",
     "simulate",
+    "write_json",
+    "write_plot",
 ]

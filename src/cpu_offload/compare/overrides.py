@@ -24,7 +24,7 @@ from typing import Any
 from ..megatron import ActivationOffloadConfig, apply_overrides, parse_override
 from .optimizer import OptimizerCompareConfig
 
-__all__ = ["CompareSelection", "select_from_overrides"]
+__all__ = ["CompareSelection", "default_offloaded", "select_from_overrides"]
 
 # model.* keys the comparison acts on; the others must keep their defaults.
 _MODEL_KEYS = ("cpu_offloading", "cpu_offloading_num_layers", "num_layers")
@@ -60,13 +60,28 @@ def _merge(flag: str, flag_value: int | None, key: str, given: dict[str, Any]) -
     return value
 
 
+def default_offloaded(num_layers: int) -> int:
+    """The default k for ``num_layers`` layers: 2, keeping two layers on the GPU when short.
+
+    Example:
+        >>> [default_offloaded(n) for n in (1, 2, 3, 4, 16)]
+        [0, 1, 1, 2, 2]
+    """
+    if num_layers < 2:
+        return 0
+    return min(2, max(1, num_layers - 2))
+
+
+_default_k = default_offloaded  # the parameter of the same name hides it below
+
+
 def select_from_overrides(
     overrides: Sequence[str],
     *,
     layers: int | None,
     offloaded: int | None,
     default_layers: int,
-    default_offloaded: int = 2,
+    default_offloaded: int | None = None,
     activation: bool = True,
     optimizer: bool = True,
 ) -> CompareSelection:
@@ -78,7 +93,8 @@ def select_from_overrides(
         layers: ``--layers`` (None when not given).
         offloaded: ``--offloaded`` (None when not given).
         default_layers: The model's layers when neither form gives them.
-        default_offloaded: k when neither form gives it.
+        default_offloaded: k when neither form gives it; by default
+            :func:`default_offloaded` of the model's layers.
         activation: False for ``--optimizer-only``.
         optimizer: False for ``--no-optimizer``.
 
@@ -107,7 +123,8 @@ def select_from_overrides(
     n = default_layers if n is None else n
     k_override = "model.cpu_offloading_num_layers" in given
     k = _merge("--offloaded", offloaded, "model.cpu_offloading_num_layers", given)
-    k = default_offloaded if k is None else k
+    if k is None:
+        k = _default_k(n) if default_offloaded is None else default_offloaded
 
     # Megatron's rules (and messages) for what the overrides set, on the resolved model.
     start = ActivationOffloadConfig(cpu_offloading=True, num_layers=n)

@@ -44,13 +44,22 @@ def format_table(report: CompareReport) -> str:
         The text, without a trailing newline.
     """
     c = report.config
+    sizes = ", ".join(
+        f"{name} {c[name]}"
+        for name in ("hidden", "heads", "seq", "batch")
+        if c.get(name) is not None
+    )
+    if c.get("parameters") is not None:
+        millions = float(c["parameters"]) / 1e6  # type: ignore[arg-type]
+        sizes = ", ".join(filter(None, [sizes, f"{millions:,.1f}M parameters"]))
+    sizes = ", ".join(filter(None, [sizes, str(c["dtype"])]))
+    version = f"cpu-offload {report.package_version}; " if report.package_version else ""
     out = [
-        f"cpu-offload compare: {c['model']} x{c['layers']} (hidden {c['hidden']}, heads {c['heads']}, "
-        f"seq {c['seq']}, batch {c['batch']}, {c['dtype']})"
+        f"cpu-offload compare: {c['model']} x{c['layers']} ({sizes})"
         + (f", k={c['offloaded']} offloaded" if report.results else "")
         + f", {c['steps']} steps",
-        f"device: {report.device}; torch {report.torch_version}; deterministic kernels: "
-        f"{c['deterministic']}",
+        f"device: {report.device}; {version}torch {report.torch_version}; deterministic "
+        f"kernels: {c['deterministic']}",
     ]
     if report.results:
         out += _activation_lines(report)
@@ -69,6 +78,7 @@ def _activation_lines(report: CompareReport) -> list[str]:
         f"peak MiB{sim}",
         "x none",
         f"step ms{sim}",
+        "spread ms",
         "x none",
         "D2H GB/s",
         "H2D GB/s",
@@ -84,6 +94,7 @@ def _activation_lines(report: CompareReport) -> list[str]:
                 f"{r.peak_bytes / _MIB:,.1f}",
                 _fmt(r.peak_bytes / none.peak_bytes if none.peak_bytes else None, ".3f"),
                 f"{r.step_ms:.2f}",
+                "-" if report.simulated else f"{r.step_spread_ms:.2f}",
                 _fmt(r.step_ms / none.step_ms if none.step_ms else None, ".3f"),
                 _fmt(r.offload_gbps, ".1f"),
                 _fmt(r.reload_gbps, ".1f"),
@@ -146,7 +157,8 @@ def format_optimizer_table(report: OptimizerReport) -> str:
             f"{r.device_ratio:.3f}",
             f"{r.host_state_bytes / _MIB:,.1f}",
             f"{r.step_ms:.2f}",
-            f"{r.step_ratio:.3f}",
+            # CPU step times of the stand-in say nothing about a GPU: no ratio for them.
+            "-" if report.stand_in else f"{r.step_ratio:.3f}",
             f"{r.max_param_diff:.3g}",
             _fmt(r.max_master_diff, ".3g"),
             f"{r.max_loss_diff:.3g}",
@@ -281,15 +293,15 @@ def _draw_optimizer(ax: Any, report: OptimizerReport) -> None:
     ax.bar(x, [r.device_bytes / _MIB for r in report.results], color=_COLORS["compute"])
     ax.set_xticks(list(x), names, fontsize=7)
     ax.set_ylabel("GPU MiB, params + state", fontsize=8)
+    if report.stand_in:
+        # CPU step times of the stand-in predict nothing about a GPU: not drawn.
+        ax.set_title(
+            f"optimizer offloading ({report.optimizer}): GPU memory by accounting "
+            "(CPU stand-in; step times not shown)"
+        )
+        return
     ratio_ax = ax.twinx()
     ratio_ax.plot(list(x), [r.step_ratio for r in report.results], "o-", color=_COLORS["offload"])
     ratio_ax.set_ylabel("step time x no offload", fontsize=8)
     ratio_ax.set_ylim(bottom=0)
-    where = (
-        " - CPU stand-in: memory by accounting, CPU step times (not a GPU's)"
-        if report.stand_in
-        else ""
-    )
-    ax.set_title(
-        f"optimizer offloading ({report.optimizer}): GPU memory (bars), step time (line){where}"
-    )
+    ax.set_title(f"optimizer offloading ({report.optimizer}): GPU memory (bars), step time (line)")

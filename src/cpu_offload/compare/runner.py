@@ -11,24 +11,23 @@ transport: numerics are real, while times and memory come from the timeline mode
 from __future__ import annotations
 
 import gc
+import math
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._compat import TORCH_VERSION_STRING
-from .._selection import ActivationPolicy
-from .._tensor_group import SavedEntry, TensorGroupProcessor
 from .._transport import CudaTransport, HostTransport, Transport
-from ..models import ModelSpec, build_layers
+from ..models import ModelSpec
+from ._profile import capture_inputs, forward_cost, saved_per_layer
 from ._rows import row_by_name
+from ._step import Installed, Step, one_step
 from .optimizer import OptimizerCompareConfig, OptimizerReport, run_optimizer_compare
 from .simulate import LayerProfile, SimResult, Span, simulate
-from .variants import Variant, make_variant
+from .variants import make_variant
+from .workload import Workload, spec_workload
 
 __all__ = ["CompareConfig", "CompareReport", "VariantResult", "run_compare", "measure_link"]
 
@@ -42,13 +41,17 @@ class CompareConfig:
     ``activation`` runs the activation variants (``variants``, no offloading always
     first) on ``num_offloaded`` of the model's layers; ``optimizer``, when given, runs the
     optimizer-offloading configurations on the same model, for the same ``steps`` and
-    ``warmup``. At least one of the two must be on.
+    ``warmup``. At least one of the two must be on. The model is ``workload`` when given
+    (a model of the user's), else the built-in layers of ``spec``; the optimizer section
+    needs ``spec``. ``steps=None`` picks the number of measured steps from the length of
+    a step: at least 10 and about one second of steps per variant, at most 50 (on the
+    CPU stand-in, 2: its times are simulated).
     """
 
-    spec: ModelSpec
+    spec: ModelSpec | None
     num_offloaded: int
     variants: Sequence[str]
-    steps: int = 5
+    steps: int | None = 5
     warmup: int = 2
     min_numel: int = 256 * 1024
     device: str = "cuda"
@@ -59,11 +62,17 @@ class CompareConfig:
     timeline_variants: Sequence[str] = ("v2", "v1-async")
     activation: bool = True
     optimizer: OptimizerCompareConfig | None = None
+    workload: Workload | None = None
 
 
 @dataclass
 class VariantResult:
-    """Everything measured for one variant."""
+    """Everything measured for one variant.
+
+    ``step_ms`` is the median step time, ``step_spread_ms`` the spread of the measured
+    steps (largest minus smallest; 0 when simulated). ``copy_streams`` and ``schedule``
+    are the variant's facts (see :class:`~cpu_offload.compare.variants.Variant`).
+    """
 
     name: str
     max_loss_diff: float
@@ -71,10 +80,13 @@ class VariantResult:
     peak_bytes: int
     step_ms: float
     step_times_ms: list[float] = field(default_factory=list)
+    step_spread_ms: float = 0.0
     offload_gbps: float | None = None
     reload_gbps: float | None = None
     stall_ms: float | None = None
     bytes_offloaded_per_step: int = 0
+    copy_streams: bool = False
+    schedule: str = ""
     spans: list[Span] = field(default_factory=list)
     memory: list[tuple[float, int]] = field(default_factory=list)
 
@@ -101,6 +113,7 @@ class CompareReport:
     floor_ms: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     optimizer: OptimizerReport | None = None
+    package_version: str = ""
 
     def result(self, name: str) -> VariantResult:
         """The result of the activation variant called ``name``.
@@ -111,136 +124,7 @@ class CompareReport:
         return row_by_name(self.results, name)
 
 
-# -- one step ------------------------------------------------------------------------
-
-
-@dataclass
-class _Step:
-    loss: torch.Tensor
-    grads: list[torch.Tensor]
-    ms: float
-    peak: int
-    spans: list[Span]
-    memory: list[tuple[float, int]]
-
-
-class _Recorder:
-    """Events on the compute stream at layer boundaries, and memory at each of them."""
-
-    def __init__(self, cuda: bool, base: int) -> None:
-        self.cuda = cuda
-        self.base = base
-        self.marks: list[tuple[str, object, int]] = []
-
-    def mark(self, label: str) -> None:
-        mem = torch.cuda.memory_allocated() - self.base if self.cuda else 0
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            self.marks.append((label, ev, mem))
-        else:
-            self.marks.append((label, time.perf_counter(), mem))
-
-    def backward_hook(self, label: str) -> Callable[..., None]:
-        def hook(*_: object) -> None:
-            self.mark(label)
-
-        return hook
-
-    def elapsed(self, start: object, end: object) -> float:
-        if self.cuda:
-            return start.elapsed_time(end)  # type: ignore[attr-defined]
-        return (end - start) * 1e3  # type: ignore[operator]
-
-
-def _one_step(
-    variant: Variant,
-    layers: nn.ModuleList,
-    make_input: Callable[[], torch.Tensor],
-    record: bool,
-    keep_grads: bool = False,
-) -> _Step:
-    cuda = next(layers.parameters()).is_cuda
-    for p in layers.parameters():
-        # Gradients stay allocated between steps (zero_grad(set_to_none=False)), so the
-        # peak above the step's start is activations and temporaries alone, whichever
-        # moment of backward each variant peaks at.
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        else:
-            p.grad.zero_()
-    for t in variant.transports:
-        t.timeline = [] if (record and cuda) else None
-    base = 0
-    if cuda:
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-    x = make_input()  # before the first mark: making the batch is not part of the step
-    rec = _Recorder(cuda, base)
-    rec.mark("start")
-    for j, layer in enumerate(layers):
-        if record:
-            rec.mark(f"F{j}")
-        x = variant.run_layer(j, layer, x)
-        if record and x.grad_fn is not None:
-            x.grad_fn.register_prehook(rec.backward_hook(f"B{j}"))
-    if record:
-        rec.mark("loss")
-    loss = x.float().square().mean()
-    del x
-    loss.backward()
-    rec.mark("end")
-    peak = 0
-    if cuda:
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base
-    start_ev = rec.marks[0][1]
-    ms = rec.elapsed(start_ev, rec.marks[-1][1])
-    spans: list[Span] = []
-    memory: list[tuple[float, int]] = []
-    if record:
-        spans, memory = _timeline(rec, variant)
-    for t in variant.transports:
-        t.timeline = None
-    return _Step(
-        loss.detach().float(),
-        # Only the steps compared keep their gradients, in their own dtype: a copy of
-        # every gradient per step would take more memory than the model on a big one.
-        [p.grad.clone() for p in layers.parameters() if p.grad is not None] if keep_grads else [],
-        ms,
-        peak,
-        spans,
-        memory,
-    )
-
-
-def _timeline(rec: _Recorder, variant: Variant) -> tuple[list[Span], list[tuple[float, int]]]:
-    start = rec.marks[0][1]
-    times = [(label, rec.elapsed(start, ev), mem) for label, ev, mem in rec.marks]
-    memory = [(t, m) for _, t, m in times]
-    spans: list[Span] = []
-    fwd = [(lbl, t) for lbl, t, _ in times if lbl.startswith("F") or lbl == "loss"]
-    for (lbl, t0), (_, t1) in zip(fwd, fwd[1:], strict=False):
-        spans.append(Span("compute", lbl, t0, t1))
-    bwd = [(lbl, t) for lbl, t, _ in times if lbl.startswith("B")] + [("end", times[-1][1])]
-    for (lbl, t0), (_, t1) in zip(bwd, bwd[1:], strict=False):
-        spans.append(Span("compute", lbl, t0, t1))
-    for transport in variant.transports:
-        for span in transport.timeline or ():
-            spans.append(
-                Span(
-                    span.kind,
-                    f"{span.nbytes / 2**20:.0f} MiB",
-                    rec.elapsed(start, span.start),
-                    rec.elapsed(start, span.end),
-                    span.nbytes,
-                )
-            )
-    return spans, memory
-
-
-# -- link and layer profiles -----------------------------------------------------------
+# -- link ----------------------------------------------------------------------------
 
 
 def measure_link(nbytes: int = 256 << 20, repeats: int = 5) -> tuple[float, float, float]:
@@ -286,78 +170,10 @@ def measure_link(nbytes: int = 256 << 20, repeats: int = 5) -> tuple[float, floa
     return d, h, b
 
 
-class _Collect:
-    """Pack hook that keeps every saved tensor in a list."""
-
-    def __init__(self, into: list[torch.Tensor]) -> None:
-        self.into = into
-
-    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.into.append(tensor)
-        return tensor
-
-
-def _identity(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
-
-
-def _saved_per_layer(
-    layers: nn.ModuleList, x: torch.Tensor, min_numel: int
-) -> list[tuple[int, int, int]]:
-    """(saved bytes, offloadable bytes, input bytes) of each layer, from one forward."""
-    out = []
-    policy = ActivationPolicy(min_numel, lambda t: t.device == x.device)
-    processor = TensorGroupProcessor()
-    for layer in layers:
-        saved: list[torch.Tensor] = []
-        with torch.autograd.graph.saved_tensors_hooks(_Collect(saved), _identity):
-            y = layer(x)
-        storages: dict[int, int] = {}
-        for t in saved:
-            if isinstance(t, nn.Parameter) or (
-                t._base is not None and isinstance(t._base, nn.Parameter)
-            ):
-                continue
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        entries = [SavedEntry(t, None, i) for i, t in enumerate(saved) if policy(t)]
-        plan = processor.process(entries) if entries else None
-        offload = sum(u.nbytes for u in plan.units) if plan else 0
-        out.append((sum(storages.values()), offload, x.numel() * x.element_size()))
-        x = y.detach().requires_grad_(True)
-    return out
-
-
-class _OpCounter(TorchDispatchMode):
-    """Counts the operators a forward runs: each is at least one kernel launch."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        self.ops += 1
-        return func(*args, **(kwargs or {}))
-
-
-def _forward_cost(layers: nn.ModuleList, x: torch.Tensor) -> list[tuple[int, int]]:
-    """(FLOPs, operators) of each layer's forward."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    out = []
-    for layer in layers:
-        flops = FlopCounterMode(display=False)
-        ops = _OpCounter()
-        with flops, ops:
-            y = layer(x)
-        out.append((flops.get_total_flops(), ops.ops))
-        x = y.detach()
-    return out
-
-
 # -- the comparison --------------------------------------------------------------------
 
 
-def _diffs(step: _Step, ref: _Step) -> tuple[float, float]:
+def _diffs(step: Step, ref: Step) -> tuple[float, float]:
     """Largest absolute difference of the loss and of any gradient element."""
     grad = max(
         (
@@ -369,10 +185,16 @@ def _diffs(step: _Step, ref: _Step) -> tuple[float, float]:
     return abs(step.loss - ref.loss).item(), grad
 
 
+def _version() -> str:
+    from .. import __version__
+
+    return __version__
+
+
 def run_compare(
     config: CompareConfig, progress: Callable[[str], None] = lambda msg: None
 ) -> CompareReport:
-    """Run every variant of ``config`` on the same layers and batch.
+    """Run every variant of ``config`` on the same model and batch.
 
     Args:
         config: What to run.
@@ -384,17 +206,26 @@ def run_compare(
         ``config.optimizer`` is given (measured on CUDA, a CPU stand-in otherwise).
 
     Raises:
-        ValueError: If ``config.activation`` is off and ``config.optimizer`` is None.
+        ValueError: If ``config.activation`` is off and ``config.optimizer`` is None,
+            neither ``spec`` nor ``workload`` is given, or the optimizer section is
+            asked for without ``spec``.
     """
     if not config.activation and config.optimizer is None:
         raise ValueError(
             "nothing to compare: activation=False and optimizer=None; turn on at least one"
         )
+    if config.spec is None and config.workload is None:
+        raise ValueError("CompareConfig needs a spec (built-in layers) or a workload")
+    if config.optimizer is not None and config.spec is None:
+        raise ValueError(
+            "the optimizer section runs on the built-in layer kinds only (spec); pass "
+            "optimizer=None with a workload of your own"
+        )
     if config.activation:
         report = _run_activation(config, progress)
     else:
         report = CompareReport(
-            config=_config_dict(config),
+            config=_config_dict(config, None),
             device=_device_name(config.device == "cuda"),
             torch_version=TORCH_VERSION_STRING,
             simulated=False,
@@ -405,12 +236,14 @@ def run_compare(
             link_duplex_gbps=None,
             results=[],
         )
+    report.package_version = _version()
     if config.optimizer is not None:
+        assert config.spec is not None
         report.optimizer = run_optimizer_compare(
             config.spec,
             config.optimizer,
             device=config.device,
-            steps=config.steps,
+            steps=config.steps or 5,
             warmup=config.warmup,
             progress=progress,
         )
@@ -421,18 +254,31 @@ def _device_name(cuda: bool) -> str:
     return torch.cuda.get_device_name() if cuda else "cpu (CPU stand-in)"
 
 
-def _config_dict(config: CompareConfig) -> dict[str, object]:
+def _config_dict(config: CompareConfig, workload: Workload | None) -> dict[str, object]:
     spec = config.spec
+    facts: dict[str, object] = {}
+    if workload is not None:
+        facts = {"model": workload.description, "layers": len(workload.layers)}
+        facts.update(workload.facts)
+        params = [p for p in workload.model.parameters()]
+        facts["dtype"] = str(params[0].dtype).replace("torch.", "")
+        facts["parameters"] = sum(p.numel() for p in params)
+    elif spec is not None:
+        facts = {
+            "model": spec.kind,
+            "hidden": spec.hidden,
+            "heads": spec.heads,
+            "seq": spec.seq,
+            "batch": spec.batch,
+            "layers": spec.layers,
+            "dtype": str(spec.dtype).replace("torch.", ""),
+        }
     return {
-        "model": spec.kind,
-        "hidden": spec.hidden,
-        "heads": spec.heads,
-        "seq": spec.seq,
-        "batch": spec.batch,
-        "layers": spec.layers,
+        **{k: None for k in ("model", "hidden", "heads", "seq", "batch", "layers", "dtype")},
+        **facts,
         "offloaded": config.num_offloaded,
-        "dtype": str(spec.dtype).replace("torch.", ""),
         "steps": config.steps,
+        "warmup": config.warmup,
         "min_tensor_size_to_offload": config.min_numel,
         "deterministic": config.deterministic,
         "activation": config.activation,
@@ -440,18 +286,22 @@ def _config_dict(config: CompareConfig) -> dict[str, object]:
     }
 
 
+def _auto_steps(step_ms: float) -> int:
+    """About one second of steps, at least 10 and at most 50."""
+    return max(10, min(50, math.ceil(1000.0 / max(step_ms, 1e-3))))
+
+
 def _run_activation(config: CompareConfig, progress: Callable[[str], None]) -> CompareReport:
     """The activation variants: everything but the optimizer section."""
     cuda = config.device == "cuda"
-    spec = config.spec
-    device = torch.device(config.device)
-    layers = build_layers(spec, device)
-    batch = spec.make_input("cpu")  # one batch, copied to the device for every step
-
-    def make_input() -> torch.Tensor:
-        return batch.to(device)
-
-    n, k = spec.layers, config.num_offloaded
+    if config.workload is not None:
+        workload = config.workload
+    else:
+        assert config.spec is not None
+        workload = spec_workload(config.spec, config.device)
+    n, k = len(workload.layers), config.num_offloaded
+    if not 0 <= k < n:
+        raise ValueError(f"num_offloaded must be in [0, {n - 1}] for {n} layers, got {k}")
 
     def transport_factory() -> Transport:
         return CudaTransport() if cuda else HostTransport()
@@ -462,61 +312,43 @@ def _run_activation(config: CompareConfig, progress: Callable[[str], None]) -> C
         link = measure_link()
 
     progress("reference run without offloading (twice: the noise floor)")
-    baseline = make_variant("none", n, k, config.min_numel)
-    ref = _one_step(baseline, layers, make_input, record=False, keep_grads=True)
-    noise_loss, noise_grad = _diffs(
-        _one_step(baseline, layers, make_input, record=False, keep_grads=True), ref
-    )
+    baseline = Installed(make_variant("none", n, k, config.min_numel), workload)
+    try:
+        ref = one_step(baseline, record=False, keep_grads=True)
+        again = one_step(baseline, record=False, keep_grads=True)
+        calls = capture_inputs(workload)
+    finally:
+        baseline.remove()
+    noise_loss, noise_grad = _diffs(again, ref)
+    steps_per_variant = config.steps
+    if steps_per_variant is None:
+        steps_per_variant = _auto_steps(again.ms) if cuda else 2
+    del again
 
     results: list[VariantResult] = []
     names = list(dict.fromkeys(["none", *config.variants]))
     for idx, name in enumerate(names, 1):
-        progress(f"[{idx}/{len(names)}] {name}: {config.warmup} warm-up + {config.steps} steps")
-        variant = make_variant(
-            name,
-            n,
-            k,
-            config.min_numel,
-            transport_factory if name in ("v2", "v1-async", "v1-async-db") else None,
+        progress(
+            f"[{idx}/{len(names)}] {name}: {config.warmup} warm-up + {steps_per_variant} steps"
         )
-        steps: list[_Step] = []
-        for _ in range(config.warmup):
-            _one_step(variant, layers, make_input, record=False)
-        before = sum(t.bytes_offloaded for t in variant.transports)
-        for i in range(config.steps):
-            steps.append(_one_step(variant, layers, make_input, record=False, keep_grads=i == 0))
-        moved = sum(t.bytes_offloaded for t in variant.transports) - before
-        # Copy bandwidth and stalls from a few recorded steps (medians): one step's
-        # copies are too few to measure a link shared with other work.
-        recorded = [
-            _one_step(variant, layers, make_input, record=True) for _ in range(3 if cuda else 1)
-        ]
-        timed = recorded[-1]
-        loss_diff, grad_diff = _diffs(steps[0], ref)
-        steps[0].grads.clear()
-        result = VariantResult(
-            name=name,
-            max_loss_diff=loss_diff,
-            max_grad_diff=grad_diff,
-            peak_bytes=max(s.peak for s in steps),
-            step_ms=statistics.median(s.ms for s in steps),
-            step_times_ms=[s.ms for s in steps],
-            bytes_offloaded_per_step=moved // max(config.steps, 1),
-            spans=timed.spans,
-            memory=timed.memory,
-        )
-        if cuda and variant.transports:
-            _copy_figures(result, [r.spans for r in recorded])
+        variant = make_variant(name, n, k, config.min_numel, transport_factory)
+        installed = Installed(variant, workload)
+        try:
+            result = _measure(installed, ref, config.warmup, steps_per_variant, cuda)
+        finally:
+            installed.remove()
         results.append(result)
         # The next variant starts from the same memory: drop this one's buffers (its
         # hooks and handlers hold reference cycles) before measuring the next peak.
-        del variant, steps, timed, recorded
+        del variant, installed
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
 
+    config_dict = _config_dict(config, workload)
+    config_dict["steps"] = steps_per_variant
     report = CompareReport(
-        config=_config_dict(config),
+        config=config_dict,
         device=_device_name(cuda),
         torch_version=TORCH_VERSION_STRING,
         simulated=not cuda,
@@ -528,7 +360,7 @@ def _run_activation(config: CompareConfig, progress: Callable[[str], None]) -> C
         results=results,
     )
     progress("profiling layers for the transfer-bound floor")
-    profiles = _profiles(layers, make_input(), config, report)
+    profiles = _profiles(workload, calls, config, report)
     if not cuda:
         _simulate_into(report, profiles, config)
     else:
@@ -536,7 +368,58 @@ def _run_activation(config: CompareConfig, progress: Callable[[str], None]) -> C
         for duplex in (False, True):
             sim = simulate(profiles, "v2", k, link[0], link[1], duplex=duplex)
             report.floor_ms["v2-duplex" if duplex else "v2"] = sim.step_ms
+        _spread_note(report)
     return report
+
+
+def _measure(installed: Installed, ref: Step, warmup: int, count: int, cuda: bool) -> VariantResult:
+    """Warm-up, ``count`` measured steps and a few recorded ones of one variant."""
+    variant = installed.variant
+    for _ in range(warmup):
+        one_step(installed, record=False)
+    before = sum(t.bytes_offloaded for t in variant.transports)
+    steps = [one_step(installed, record=False, keep_grads=i == 0) for i in range(count)]
+    moved = sum(t.bytes_offloaded for t in variant.transports) - before
+    # Copy bandwidth and stalls from a few recorded steps (medians): one step's copies
+    # are too few to measure a link shared with other work.
+    recorded = [one_step(installed, record=True) for _ in range(3 if cuda else 1)]
+    loss_diff, grad_diff = _diffs(steps[0], ref)
+    times = [s.ms for s in steps]
+    result = VariantResult(
+        name=variant.name,
+        max_loss_diff=loss_diff,
+        max_grad_diff=grad_diff,
+        peak_bytes=max(s.peak for s in steps),
+        step_ms=statistics.median(times),
+        step_times_ms=times,
+        step_spread_ms=max(times) - min(times),
+        bytes_offloaded_per_step=moved // max(count, 1),
+        copy_streams=variant.copy_streams,
+        schedule=variant.schedule,
+        spans=recorded[-1].spans,
+        memory=recorded[-1].memory,
+    )
+    if cuda and variant.transports:
+        _copy_figures(result, [r.spans for r in recorded])
+    return result
+
+
+def _spread_note(report: CompareReport) -> None:
+    """Warn when a step-time difference shown is within the run-to-run spread."""
+    none = report.result("none")
+    close = [
+        r.name
+        for r in report.results
+        if r is not none
+        and abs(r.step_ms - none.step_ms) < max(r.step_spread_ms, none.step_spread_ms)
+    ]
+    if close:
+        report.notes.append(
+            "WARNING: the step-time differences of "
+            + ", ".join(close)
+            + " from no offloading are smaller than the spread of the steps (max - min): "
+            "they are not measured apart; run more --steps, on an idle GPU."
+        )
 
 
 def _copy_figures(result: VariantResult, steps: list[list[Span]]) -> None:
@@ -558,15 +441,16 @@ def _copy_figures(result: VariantResult, steps: list[list[Span]]) -> None:
 
 
 def _profiles(
-    layers: nn.ModuleList, x: torch.Tensor, config: CompareConfig, report: CompareReport
+    workload: Workload, calls: list, config: CompareConfig, report: CompareReport
 ) -> list[LayerProfile]:
-    saved = _saved_per_layer(layers, x, config.min_numel)
+    layers = workload.layers
+    saved = saved_per_layer(layers, calls, config.min_numel)
     if report.simulated:
         # A layer takes at least its FLOPs at the assumed throughput, and at least one
         # kernel launch per operator (small layers are launch-bound on a GPU).
         fwd = [
             max(f / (config.sim_tflops * 1e12) * 1e3, ops * config.sim_launch_us * 1e-3)
-            for f, ops in _forward_cost(layers, x)
+            for f, ops in forward_cost(layers, calls)
         ]
         bwd = [2 * f for f in fwd]
     else:
@@ -590,12 +474,13 @@ def _simulate_into(
         f"{gbps:g} GB/s each way."
     )
     for result in report.results:
-        sim: SimResult = simulate(profiles, result.name.replace("-db", ""), k, gbps, gbps)
+        sim: SimResult = simulate(profiles, result.schedule, k, gbps, gbps)
         result.step_ms = sim.step_ms
         result.step_times_ms = []
+        result.step_spread_ms = 0.0
         result.peak_bytes = sim.peak_bytes
         result.spans = sim.spans
         result.memory = sim.memory
-        if result.name.startswith(("v1-async", "v2")):
+        if result.copy_streams:
             result.stall_ms = sim.stall_ms
     report.floor_ms["v2"] = simulate(profiles, "v2", k, gbps, gbps).step_ms

@@ -1,6 +1,6 @@
 """The variants ``cpu-offload compare`` runs: how each one wraps a layer.
 
-Every variant runs the same layers on the same batch; only :meth:`Variant.run_layer`
+Every variant runs the same layers on the same batch; only :meth:`Variant.call`
 differs. Offloading and its alternatives apply to the first ``k`` layers.
 """
 
@@ -17,26 +17,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .. import v1, v2
-from .._selection import is_marked_for_offload, mark_activation_offload
+from .._marking import MarkOutputs
+from .._selection import is_marked_for_offload
 from .._transport import Transport
+from ..layers import sync_first
 
 __all__ = ["VARIANTS", "Variant", "make_variant"]
-
-
-class _MarkOutputs(torch.overrides.TorchFunctionMode):
-    """Marks every tensor computed inside as an activation (V1 needs marked tensors).
-
-    Transformer Engine's modules mark their activations themselves; plain PyTorch
-    layers do not, so the comparison marks whatever the layer computes.
-    """
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        if isinstance(out, torch.Tensor):
-            mark_activation_offload(out)
-        elif isinstance(out, (tuple, list)):
-            mark_activation_offload(*[o for o in out if isinstance(o, torch.Tensor)])
-        return out
 
 
 class _MarkedAndLarge:
@@ -56,11 +42,22 @@ class Variant(ABC):
         num_layers: n, the layers in the model.
         num_offloaded: k, the layers offloaded (or checkpointed), from the first.
         min_numel: Smallest tensor offloading moves.
-        transport_factory: Makes the transport for offloading variants (None: default).
+        transport_factory: Makes the transport for the variants that copy on streams of
+            their own (None: the backend's default).
+
+    Class attributes (facts the runner and the report read, instead of names):
+        name: The name in ``--variants`` and in the report.
+        offloads: It copies activations to host memory.
+        copy_streams: Its copies run on streams of their own (a transport records them):
+            bandwidth and stalls are measured for it.
+        schedule: The schedule :func:`~cpu_offload.compare.simulate.simulate` replays
+            for it on a machine without a GPU.
     """
 
     name: str = ""
     offloads: bool = False
+    copy_streams: bool = False
+    schedule: str = ""
 
     def __init__(
         self,
@@ -72,7 +69,7 @@ class Variant(ABC):
         self.n = num_layers
         self.k = num_offloaded
         self.min_numel = min_numel
-        self.transport_factory = transport_factory
+        self.transport_factory = transport_factory if self.copy_streams else None
         self.transports: list[Transport] = []
 
     def _transport(self) -> Transport | None:
@@ -83,20 +80,33 @@ class Variant(ABC):
         return t
 
     @abstractmethod
+    def call(
+        self, index: int, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict
+    ) -> Any:
+        """Run layer ``index``'s ``forward`` on ``args`` and ``kwargs``.
+
+        The layer's output is a tensor, or a tuple, list or dataclass whose first
+        element is the hidden state.
+        """
+
     def run_layer(self, index: int, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """Run layer ``index`` on ``x``."""
+        return self.call(index, layer, (x,), {})
 
 
 class _NoOffload(Variant):
     name = "none"
+    schedule = "none"
 
-    def run_layer(self, index: int, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return layer(x)
+    def call(self, index, forward, args, kwargs):  # type: ignore[no-untyped-def]
+        return forward(*args, **kwargs)
 
 
 class _V2(Variant):
     name = "v2"
     offloads = True
+    copy_streams = True
+    schedule = "v2"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -111,15 +121,17 @@ class _V2(Variant):
         if transport is None:
             self.transports.append(self.ctx.offload_synchronizer.transport)
 
-    def run_layer(self, index: int, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def call(self, index, forward, args, kwargs):  # type: ignore[no-untyped-def]
         with self.ctx:
-            x = layer(x)
-        return self.sync(x)
+            out = forward(*args, **kwargs)
+        return sync_first(out, self.sync, index)
 
 
 class _V1Async(Variant):
     name = "v1-async"
     offloads = True
+    copy_streams = True
+    schedule = "v1-async"
     double_buffering = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -136,10 +148,10 @@ class _V1Async(Variant):
         self.ctx = v1.CpuOffloadHookWithOffloadHandler(handler)
         self.commit = functools.partial(v1.group_prefetch_offload_commit, offload_handler=handler)
 
-    def run_layer(self, index: int, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        with self.ctx, _MarkOutputs():
-            x = layer(x)
-        return self.commit(x)
+    def call(self, index, forward, args, kwargs):  # type: ignore[no-untyped-def]
+        with self.ctx, MarkOutputs():
+            out = forward(*args, **kwargs)
+        return sync_first(out, self.commit, index)
 
 
 class _V1DoubleBuffer(_V1Async):
@@ -150,6 +162,7 @@ class _V1DoubleBuffer(_V1Async):
 class _V1Sync(Variant):
     name = "v1-sync"
     offloads = True
+    schedule = "v1-sync"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -159,32 +172,35 @@ class _V1Sync(Variant):
         self.ctx = v1.CpuOffloadHookWithOffloadHandler(handler)
         self.commit = functools.partial(v1.group_prefetch_offload_commit, offload_handler=handler)
 
-    def run_layer(self, index: int, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        with self.ctx, _MarkOutputs():
-            x = layer(x)
-        return self.commit(x)
+    def call(self, index, forward, args, kwargs):  # type: ignore[no-untyped-def]
+        with self.ctx, MarkOutputs():
+            out = forward(*args, **kwargs)
+        return sync_first(out, self.commit, index)
 
 
 class _Checkpoint(Variant):
     name = "checkpoint"
+    schedule = "checkpoint"
 
-    def run_layer(self, index: int, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def call(self, index, forward, args, kwargs):  # type: ignore[no-untyped-def]
         if index < self.k:
-            return checkpoint(layer, x, use_reentrant=False)
-        return layer(x)
+            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return forward(*args, **kwargs)
 
 
 class _SaveOnCpu(Variant):
     name = "save_on_cpu"
+    schedule = "save_on_cpu"
 
-    def run_layer(self, index: int, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if index >= self.k or not x.is_cuda:
+    def call(self, index, forward, args, kwargs):  # type: ignore[no-untyped-def]
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if index >= self.k or first is None or not first.is_cuda:
             # Without CUDA there is no device memory to save: run the layer as is.
             ctx: Any = contextlib.nullcontext()
         else:
             ctx = torch.autograd.graph.save_on_cpu(pin_memory=True)
         with ctx:
-            return layer(x)
+            return forward(*args, **kwargs)
 
 
 #: Variant name -> class, in the order the report lists them.

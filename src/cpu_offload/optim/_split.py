@@ -76,6 +76,7 @@ def compute_offload_split(
     offload_fraction: float,
     *,
     is_device: Callable[[torch.Tensor], bool] | None = None,
+    from_end: bool = False,
 ) -> list[bool]:
     """Decide which parameters get their optimizer state offloaded to the host.
 
@@ -92,6 +93,8 @@ def compute_offload_split(
         offload_fraction: Fraction of the device elements to offload, in ``[0.0, 1.0]``.
         is_device: Predicate telling device parameters from host ones; by default any
             tensor not on the CPU counts as a device tensor.
+        from_end: Walk the parameters from the last one instead: offload a suffix (the
+            layers a forward reads last) with the same rule.
 
     Returns:
         One bool per parameter, in the flattened param-group order: True when its
@@ -108,10 +111,14 @@ def compute_offload_split(
         [True, True, True]
         >>> compute_offload_split(ps, 0.3, is_device=lambda p: True)
         [True, True, False]
+        >>> compute_offload_split(ps, 0.3, is_device=lambda p: True, from_end=True)
+        [False, False, True]
     """
     fraction = check_offload_fraction(offload_fraction)
     predicate = is_device_tensor if is_device is None else is_device
     flat = _flatten(params)
+    if from_end:
+        return compute_offload_split(flat[::-1], fraction, is_device=predicate)[::-1]
     on_device = [bool(predicate(p)) for p in flat]
     threshold = fraction * sum(p.numel() for p, dev in zip(flat, on_device, strict=True) if dev)
     offloaded_numel = 0

@@ -11,8 +11,8 @@ import torch
 
 from .._args import activations_requested, check_bool, check_int
 from .._selection import is_marked_for_offload
-from .._state import ActiveHooks
-from .._transport import Transport
+from .._state import ActiveHooks, ContextOwner
+from .._transport import Transport, resolve_transport
 from .handlers import AsyncDoubleBufferGroupOffloadHandler, OffloadHandler
 
 __all__ = [
@@ -37,6 +37,7 @@ class CpuOffloadSavedTensorHook:
     def __init__(self) -> None:
         self.inside_context = False
         self._hooks: ActiveHooks | None = None
+        self._owner = ContextOwner()
 
     def on_save_for_backward(self, tensor: torch.Tensor) -> Any:
         """Called with each tensor saved for backward."""
@@ -56,11 +57,23 @@ class CpuOffloadSavedTensorHook:
     def _abort(self) -> None:
         """Called when an exception leaves the ``with`` block."""
 
+    def _on_enter(self) -> None:
+        """Called when the ``with`` block begins, before the hooks are installed."""
+
+    def _on_exit(self) -> None:
+        """Called when the ``with`` block ends without an exception."""
+
     def __enter__(self) -> CpuOffloadSavedTensorHook:
-        if self.inside_context:
-            raise RuntimeError("the CPU offload context is already entered (nested `with`)")
-        self._hooks = ActiveHooks(self, self.on_save_for_backward, self.on_get_saved_tensor)
-        self._hooks.__enter__()
+        owner = self._owner
+        owner.claim(False)
+        try:
+            self._on_enter()
+            hooks = ActiveHooks(self, self.on_save_for_backward, self.on_get_saved_tensor)
+            hooks.__enter__()  # last step: nothing after it can fail
+        except BaseException:
+            owner.release()
+            raise
+        self._hooks = hooks
         self.inside_context = True
         return self
 
@@ -71,12 +84,15 @@ class CpuOffloadSavedTensorHook:
         tb: TracebackType | None,
     ) -> None:
         self.inside_context = False
+        self._owner.release()
         hooks, self._hooks = self._hooks, None
         if hooks is None:
             return
         hooks.__exit__(exc_type, exc, tb)
         if exc_type is not None:
             self._abort()
+        else:
+            self._on_exit()
 
 
 class CpuOffloadHookWithOffloadHandler(CpuOffloadSavedTensorHook):
@@ -99,9 +115,12 @@ class CpuOffloadHookWithOffloadHandler(CpuOffloadSavedTensorHook):
         self.offload_handler = offload_handler
         self.handler_extra_kwargs = dict(handler_extra_kwargs or {})
         self.debug = debug
+        offload_handler.attach_context()
 
     def on_save_for_backward(self, tensor: torch.Tensor) -> Any:
-        return self.offload_handler.tensor_push(tensor, **self.handler_extra_kwargs)
+        out = self.offload_handler.tensor_push(tensor, **self.handler_extra_kwargs)
+        # See NOTE [Kept tensors are detached] in cpu_offload.v2.synchronizer.
+        return tensor.detach() if out is tensor else out
 
     def on_get_saved_tensor(self, saved_state: Any) -> torch.Tensor:
         return self.offload_handler.tensor_pop(saved_state, **self.handler_extra_kwargs)
@@ -111,6 +130,12 @@ class CpuOffloadHookWithOffloadHandler(CpuOffloadSavedTensorHook):
 
     def _abort(self) -> None:
         self.offload_handler.abort()
+
+    def _on_enter(self) -> None:
+        self.offload_handler.on_context_enter()
+
+    def _on_exit(self) -> None:
+        self.offload_handler.on_context_exit()
 
 
 class GroupCommitFunction(torch.autograd.Function):
@@ -179,6 +204,7 @@ def get_cpu_offload_context(
         ValueError: If the layer counts are out of range or nothing is to be offloaded.
 
     Example:
+        >>> from cpu_offload import mark_activation_offload
         >>> ctx, commit = get_cpu_offload_context(True, 1, 2)
         >>> layers = [torch.nn.Linear(1024, 1024) for _ in range(2)]
         >>> x = torch.randn(512, 1024, requires_grad=True)
@@ -199,6 +225,8 @@ def get_cpu_offload_context(
         check_bool(name, flag)
     check_int("num_layers", num_layers)
     check_int("model_layers", model_layers)
+    if transport is not None:
+        resolve_transport(transport)
     if not enabled:
         return contextlib.nullcontext(), _commit_disabled
     if not activations_requested(offload_activations, offload_weights):

@@ -9,7 +9,8 @@ import torch
 
 from .._compat import queue_backward_callback
 from .._tensor_group import TensorGroupProcessor
-from .._transport import CudaTransport, HostTransport, Transport, is_dense
+from .._transport import CudaTransport, Transport, is_dense, resolve_transport
+from .._warn import warn_at_caller
 from ..v2.layer_state import LayerPhase, OffloadableLayerState
 
 __all__ = [
@@ -65,6 +66,16 @@ class OffloadHandler:
     def abort(self) -> None:
         """Forget the current iteration (an exception ended it)."""
 
+    def attach_context(self) -> None:
+        """A context (:class:`~cpu_offload.v1.CpuOffloadHookWithOffloadHandler`) drives
+        this handler and reports its entries and exits."""
+
+    def on_context_enter(self) -> None:
+        """The offload context was entered (a layer's forward begins)."""
+
+    def on_context_exit(self) -> None:
+        """The offload context was left normally (a layer's forward ended)."""
+
 
 class SynchronizedGroupOffloadHandler(OffloadHandler):
     """Offloads the first ``num_offload_group`` groups with copies on the compute stream.
@@ -94,28 +105,66 @@ class SynchronizedGroupOffloadHandler(OffloadHandler):
         self.current_group = 0
         self.tensor_count_current_group = 0
         self.tensor_tag_to_state: dict[tuple[int, int], Any] = {}
+        self._calls = _CommitOrder()
 
     def groupid_reset(self) -> None:
         """Start counting groups from 0 (a new iteration)."""
         self.current_group = 0
         self.tensor_count_current_group = 0
         self.tensor_tag_to_state.clear()
+        self._calls.new_iteration()
 
     def abort(self) -> None:
+        self._forget()
+
+    def _forget(self) -> None:
+        """Forget the iteration and the call order (after an exception or a misuse)."""
         self.groupid_reset()
+        self._calls.reset()
+
+    def attach_context(self) -> None:
+        self._calls.tracked = True
+
+    def on_context_enter(self) -> None:
+        if not torch.is_grad_enabled():
+            return  # an evaluation pass: nothing is saved, nothing is counted
+        if self._calls.backward_seen:
+            self.groupid_reset()  # the previous iteration's backward began: a new one
+        self._calls.enter()
+
+    def on_context_exit(self) -> None:
+        self._calls.exit()
 
     def on_group_commit_forward(self) -> None:
-        """A group's forward ended."""
+        """A group's forward ended.
+
+        Raises:
+            RuntimeError: When the commit function is called inside the context, twice
+                for one layer, or before any layer ran under the context; the iteration
+                is forgotten, so that the next forward starts afresh.
+        """
+        misuse = self._calls.commit()
+        if misuse is not None:
+            self._forget()
+            raise RuntimeError(misuse)
         self.current_group += 1
         self.tensor_count_current_group = 0
 
     def on_group_commit_backward(self) -> None:
-        """A group's backward begins."""
+        """A group's backward begins.
+
+        Raises:
+            RuntimeError: When backward goes through more commits than forward did (the
+                iteration is forgotten first).
+        """
+        self._calls.backward()
         self.current_group -= 1
         if self.current_group < 0:
+            self._forget()
             raise RuntimeError(
-                "more group commits in backward than in forward: the commit function must "
-                "be called once per layer in forward"
+                "backward went through more layer commits than forward did: call the commit "
+                "function once per layer in forward, and pass model_layers = the number of "
+                "layers run under the offload context in one iteration"
             )
 
     def is_current_group_offloaded(self) -> bool:
@@ -178,6 +227,63 @@ class SynchronizedGroupOffloadHandler(OffloadHandler):
         return self.reload(state)
 
 
+class _CommitOrder:
+    """Checks the order of context entries and commits, for the handlers' errors.
+
+    The order is checked only for a handler that a context drives
+    (``CpuOffloadHookWithOffloadHandler`` attaches itself), so that handlers driven by
+    other hooks work as before.
+    Under ``torch.no_grad`` nothing is counted (evaluation passes commit nothing).
+    """
+
+    def __init__(self) -> None:
+        self.tracked = False  # a context reports its entries
+        self.inside = False  # inside the context's `with` block now
+        self.layer_ran = False  # a layer ran under the context since the last commit
+        self.backward_seen = False  # a backward began since this iteration's forwards
+
+    def reset(self) -> None:
+        """Forget everything but whether a context reports its entries."""
+        self.inside = self.layer_ran = self.backward_seen = False
+
+    def new_iteration(self) -> None:
+        """A new iteration's forward begins (the layer now running stays counted)."""
+        self.backward_seen = False
+
+    def enter(self) -> None:
+        """Record an entry with grad enabled."""
+        self.inside = True
+
+    def exit(self) -> None:
+        if self.inside:
+            self.inside = False
+            self.layer_ran = True
+
+    def commit(self) -> str | None:
+        """Record a forward commit; the misuse it is, if any."""
+        if not self.tracked:
+            return None
+        if self.inside:
+            return (
+                "the commit function was called inside the CPU offload context: call "
+                "x = commit_function(x) on the layer's output after its `with` block"
+            )
+        if not self.layer_ran:
+            return (
+                "the commit function was called twice for one layer, or before any layer "
+                "ran under the CPU offload context: call it once after each layer's `with` "
+                "block"
+            )
+        self.layer_ran = False
+        return None
+
+    def backward(self) -> bool:
+        """Record a backward commit; True for the first one of the iteration."""
+        first = not self.backward_seen
+        self.backward_seen = True
+        return first
+
+
 def layer_windows(num_offload_group: int, num_model_group: int) -> list[int]:
     """The layer at whose forward commit each offloaded group is released.
 
@@ -232,12 +338,9 @@ class AsyncDoubleBufferGroupOffloadHandler(SynchronizedGroupOffloadHandler):
         self.num_model_group = num_model_group
         self.double_buffering = double_buffering
         self.iteration = 0  # stamps tags, so a stale backward fails instead of mixing data
-        if transport is None:
-            if torch.cuda.is_available():
-                transport = CudaTransport(torch.cuda.Stream(), reload_stream=torch.cuda.Stream())
-            else:
-                transport = HostTransport()
-        self.transport = transport
+        if transport is None and torch.cuda.is_available():
+            transport = CudaTransport(torch.cuda.Stream(), reload_stream=torch.cuda.Stream())
+        self.transport = transport = resolve_transport(transport)
         processor = TensorGroupProcessor()
         self.groups = [
             OffloadableLayerState(
@@ -257,6 +360,8 @@ class AsyncDoubleBufferGroupOffloadHandler(SynchronizedGroupOffloadHandler):
             self._reload_at.setdefault(reload_layer, []).insert(0, group)
         self._buffers: list[list[torch.Tensor | None]] = [[], []]
         self._forward_done = False
+        self._offloaded_tensors = 0  # tensors taken for offloading in this iteration
+        self._warned_nothing_offloaded = False
 
     # -- forward ---------------------------------------------------------------------
 
@@ -268,6 +373,7 @@ class AsyncDoubleBufferGroupOffloadHandler(SynchronizedGroupOffloadHandler):
         out = self.groups[self.current_group].push_tensor(tensor)
         if isinstance(out, torch.Tensor):
             return out
+        self._offloaded_tensors += 1
         return _tag(self.current_group, out, self.iteration)
 
     def on_group_commit_forward(self) -> None:
@@ -275,15 +381,38 @@ class AsyncDoubleBufferGroupOffloadHandler(SynchronizedGroupOffloadHandler):
         if layer >= self.num_model_group:
             self.groupid_reset()
             layer = 0
+        super().on_group_commit_forward()  # checks the call order before anything moves
         if layer < self.num_offload_group:
             self.groups[layer].start_offload()
         for group in self._release_at.get(layer, ()):
             self.groups[group].release_activation_forward_gpu_memory()
-        super().on_group_commit_forward()
+        if layer == self.num_model_group - 1:
+            self._check_something_offloaded()
+
+    def _check_something_offloaded(self) -> None:
+        # A whole forward ran: V1 offloads marked tensors only, and none was marked.
+        if self.num_offload_group == 0 or self._offloaded_tensors or self._warned_nothing_offloaded:
+            return
+        self._warned_nothing_offloaded = True
+        warn_at_caller(
+            f"the V1 CPU offload context ran all {self.num_model_group} layers of an iteration "
+            f"and offloaded nothing, although {self.num_offload_group} layer(s) are to be "
+            "offloaded: V1 offloads only tensors marked with mark_activation_offload (or "
+            "the activation_offloading attribute). Mark the activations, or unset "
+            "NVTE_CPU_OFFLOAD_V1 to use V2, which finds them itself"
+        )
 
     # -- backward --------------------------------------------------------------------
 
     def on_group_commit_backward(self) -> None:
+        if not self._calls.backward_seen and self.current_group != self.num_model_group:
+            ran = self.current_group
+            self._forget()
+            raise ValueError(
+                f"backward began after {ran} layer commits under the V1 CPU offload context, "
+                f"but model_layers={self.num_model_group}: pass the number of layers run "
+                "under the context in one iteration"
+            )
         super().on_group_commit_backward()
         layer = self.current_group
         if layer + 1 < len(self.groups):
@@ -328,6 +457,7 @@ class AsyncDoubleBufferGroupOffloadHandler(SynchronizedGroupOffloadHandler):
 
     def groupid_reset(self) -> None:
         super().groupid_reset()
+        self._offloaded_tensors = 0
         self.iteration += 1
         for state in self.groups:
             state.release_all_memory()

@@ -10,8 +10,9 @@ import torch
 
 from .._args import activations_requested, check_bool, check_int
 from .._selection import ActivationPolicy
-from .._state import ActiveHooks, active_context
-from .._transport import Transport, default_transport
+from .._state import ActiveHooks, ContextOwner, active_context
+from .._transport import Transport, resolve_transport
+from .._warn import warn_at_caller
 from .schedule import (
     check_layer_counts,
     default_synchronization_dict,
@@ -44,10 +45,11 @@ class OffloadContext:
         self._refused = False  # the last __enter__ was refused for a missing sync
         self.layer_id: int | None = None
         self._hooks: ActiveHooks | None = None
+        self._owner = ContextOwner()
         self._counted = False  # the current `with` block counted a layer
         # Made once and entered per layer: an offloaded layer's tensors go through the
         # synchronizer; any other layer saves its tensors untouched, without hooks.
-        self._offload_hooks = ActiveHooks(self, synchronizer.push_tensor, synchronizer.pop_tensor)
+        self._offload_hooks = ActiveHooks(self, synchronizer.pack_hook, synchronizer.pop_tensor)
         self._hooks_of = synchronizer  # the synchronizer _offload_hooks call
         self._plain_hooks = ActiveHooks(self)
 
@@ -57,8 +59,15 @@ class OffloadContext:
         )
 
     def __enter__(self) -> OffloadContext:
-        if self.inside_context:
-            raise RuntimeError("the CPU offload context is already entered (nested `with`)")
+        self._owner.claim(self.awaiting_sync)
+        try:
+            self._enter()
+        except BaseException:
+            self._owner.release()
+            raise
+        return self
+
+    def _enter(self) -> None:
         if self.awaiting_sync:
             if not self._refused:
                 # Refused once; calling sync_function continues this iteration, while
@@ -79,7 +88,7 @@ class OffloadContext:
             self._hooks = self._plain_hooks
             self._counted = False
             self.inside_context = True
-            return self
+            return
         sync = self.offload_synchronizer
         try:
             layer = sync.fwd_step()
@@ -88,7 +97,7 @@ class OffloadContext:
             sync.start_new_iteration()
             raise
         if self._hooks_of is not sync:  # offload_synchronizer was replaced
-            self._offload_hooks = ActiveHooks(self, sync.push_tensor, sync.pop_tensor)
+            self._offload_hooks = ActiveHooks(self, sync.pack_hook, sync.pop_tensor)
             self._hooks_of = sync
         hooks = self._offload_hooks if sync.is_layer_offloaded(layer) else self._plain_hooks
         hooks.__enter__()  # last step: nothing after it can fail
@@ -97,7 +106,6 @@ class OffloadContext:
         self.layer_id = layer
         self.awaiting_sync = True
         self.inside_context = True
-        return self
 
     def __exit__(
         self,
@@ -106,6 +114,7 @@ class OffloadContext:
         tb: TracebackType | None,
     ) -> None:
         self.inside_context = False
+        self._owner.release()
         hooks, self._hooks = self._hooks, None
         if hooks is None:
             return
@@ -142,6 +151,7 @@ class SyncFunction:
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
         ctx = self.context
+        ctx._owner.check_caller("synced")
         if ctx.inside_context:
             raise RuntimeError(
                 "sync_function must be called outside the CPU offload context, on the "
@@ -203,8 +213,8 @@ def get_cpu_offload_context(
         model_layers: Total number of layers run under the context (n). Must be right.
         offload_activations: Legacy; must be True for anything to be offloaded.
         offload_weights: Legacy; True warns (``DeprecationWarning``) and has no effect.
-        double_buffering: Legacy; accepted and ignored (V2 allocates reload buffers on the
-            compute stream, which makes double buffering unnecessary).
+        double_buffering: Legacy; True warns and has no effect (V2 allocates reload
+            buffers on the compute stream, which makes double buffering unnecessary).
         manual_synchronization: Return a :class:`ManualOffloadSynchronizer` as third
             value and let the caller decide when each layer moves.
         retain_pinned_cpu_buffers: Keep each layer's pinned host buffers at fixed
@@ -265,9 +275,14 @@ def get_cpu_offload_context(
         raise TypeError(
             f"offload_stream must be a torch.cuda.Stream or None, got {type(offload_stream).__name__}"
         )
-    if transport is not None and not isinstance(transport, Transport):
-        raise TypeError(
-            f"transport must be a cpu_offload Transport, got {type(transport).__name__}"
+    if transport is not None:
+        resolve_transport(transport)
+    if double_buffering and enabled:
+        warn_at_caller(
+            "double_buffering=True has no effect under the V2 backend (it allocates every "
+            "reload buffer on the compute stream, which makes double buffering "
+            "unnecessary): drop the argument, or set NVTE_CPU_OFFLOAD_V1=1 for V1's "
+            "double-buffered handler"
         )
 
     disabled: tuple[Any, ...] = (contextlib.nullcontext(), _identity)
@@ -305,8 +320,7 @@ def get_cpu_offload_context(
             "reload stream (CudaTransport(stream, reload_stream=torch.cuda.Stream())) "
             "or pass duplex=True without a transport"
         )
-    if transport is None:
-        transport = default_transport(offload_stream, duplex)
+    transport = resolve_transport(transport, offload_stream, duplex)
     policy = ActivationPolicy(min_tensor_size_to_offload, transport.accepts)
     synchronizer: OffloadSynchronizer
     if manual_synchronization:

@@ -14,7 +14,7 @@ from .._transport import (
     HostBufferPool,
     TensorLayout,
     Transport,
-    default_transport,
+    resolve_transport,
 )
 
 __all__ = ["LayerPhase", "OffloadableLayerState"]
@@ -52,6 +52,7 @@ class OffloadableLayerState:
         processor: Tensor-group processor (shared by the layers of one synchronizer).
 
     Example:
+        >>> from cpu_offload import HostTransport
         >>> state = OffloadableLayerState(None, transport=HostTransport())
         >>> x = torch.randn(1024, 1024)
         >>> tid = state.push_tensor(x)
@@ -70,7 +71,7 @@ class OffloadableLayerState:
         processor: TensorGroupProcessor | None = None,
         name: str = "layer",
     ) -> None:
-        self.transport = transport if transport is not None else default_transport(offload_stream)
+        self.transport = resolve_transport(transport, offload_stream)
         self.retain_pinned_cpu_buffers = retain_pinned_cpu_buffers
         self.policy = policy if policy is not None else self.transport.accepts
         self.processor = processor if processor is not None else TensorGroupProcessor()

@@ -15,7 +15,7 @@ import torch
 from .._args import check_bool, check_int
 from .._compat import capture_buffer_policy, queue_backward_callback
 from .._tensor_group import TensorGroupProcessor
-from .._transport import Transport, default_transport
+from .._transport import Transport, resolve_transport
 from .._warn import warn_at_caller
 from .layer_state import LayerPhase, OffloadableLayerState
 from .schedule import (
@@ -30,20 +30,44 @@ __all__ = [
     "DefaultOffloadSynchronizer",
     "ManualOffloadSynchronizer",
     "OffloadSynchronizer",
+    "TensorId",
 ]
 
+# NOTE [Kept tensors are detached]
+# A pack hook that returns the tensor it was given, unchanged, makes autograd keep that
+# very tensor object. For a tensor saved as an output of its own node (exp, sigmoid,
+# SDPA's output), the tensor holds its grad_fn and the grad_fn holds the saved tensor:
+# a reference cycle through autograd's C++ objects, which Python's garbage collector
+# cannot see. A forward with grad enabled and no backward (a validation loop without
+# torch.no_grad, a skipped batch, an exception between layers) then keeps every such
+# tensor alive for good. Returning ``tensor.detach()`` (a new tensor object over the
+# same storage and version counter) breaks the cycle at no copy; autograd re-attaches
+# the grad_fn when it unpacks. Every tensor a pack hook of ours keeps goes back detached.
 
-class _Packed:
-    """What autograd keeps for an offloaded tensor: where to find it again."""
 
-    # A plain slotted class: made once per saved tensor, so its construction is kept
-    # cheaper than a (frozen) dataclass's.
-    __slots__ = ("index", "iteration", "layer")
+class TensorId(int):
+    """What ``push_tensor`` returns for a tensor it will offload: an ``int`` id.
 
-    def __init__(self, layer: int, index: int, iteration: int) -> None:
-        self.layer = layer
-        self.index = index
-        self.iteration = iteration
+    Its value is the tensor's index among those its layer saved (the reference's id);
+    it also carries the layer and the iteration, so that ``pop_tensor`` finds the
+    tensor again and refuses one from an iteration whose memory was released. Callers
+    that drive a synchronizer by hand may treat it as a plain ``int``.
+    """
+
+    layer: int
+    iteration: int
+
+    def __new__(cls, index: int, layer: int, iteration: int) -> TensorId:
+        obj = super().__new__(cls, index)
+        obj.layer = layer
+        obj.iteration = iteration
+        return obj
+
+    def __repr__(self) -> str:
+        return f"TensorId({int(self)}, layer={self.layer}, iteration={self.iteration})"
+
+    def __reduce__(self) -> tuple[type[TensorId], tuple[int, int, int]]:
+        return (TensorId, (int(self), self.layer, self.iteration))
 
 
 class OffloadSynchronizer:
@@ -80,7 +104,7 @@ class OffloadSynchronizer:
             )
         self.num_layers = num_layers
         self.retain_pinned_cpu_buffers = retain_pinned_cpu_buffers
-        self.transport = transport if transport is not None else default_transport(offload_stream)
+        self.transport = resolve_transport(transport, offload_stream)
         self.policy = policy if policy is not None else self.transport.accepts
         processor = TensorGroupProcessor()
         self.layers = [
@@ -129,11 +153,14 @@ class OffloadSynchronizer:
         """Call when ``layer_id``'s backward is about to start.
 
         Raises:
-            ValueError: In the default schedule, when the first backward of an iteration
-                begins after a number of forwards other than ``num_layers`` (a wrong
-                ``model_layers``, or a forward cut short by an exception outside the
-                offload context); the iteration is released first.
+            TypeError: If ``layer_id`` is not an int.
+            ValueError: If ``layer_id`` is not in ``[0, num_layers - 1]``; in the default
+                schedule, when the first backward of an iteration begins after a number
+                of forwards other than ``num_layers`` (a wrong ``model_layers``, or a
+                forward cut short by an exception outside the offload context); the
+                iteration is released first.
         """
+        self._check_layer_id(layer_id)
         if not self._backward_seen:
             self._backward_seen = True
             self._check_forward_count()
@@ -179,21 +206,49 @@ class OffloadSynchronizer:
 
     # -- tensors ---------------------------------------------------------------------
 
-    def push_tensor(self, tensor: torch.Tensor) -> object:
-        """Saved-tensor pack hook: hand ``tensor`` to the current layer."""
+    def push_tensor(self, tensor: torch.Tensor) -> TensorId | torch.Tensor:
+        """Saved-tensor pack hook: hand ``tensor`` to the current layer.
+
+        Returns:
+            A :class:`TensorId` (an ``int``) for a tensor that will be offloaded, else
+            the tensor itself.
+        """
         layer = self.current_layer
         if layer is None or not self._pushes_to(layer):
             return tensor
         out = self.layers[layer].push_tensor(tensor)
         if isinstance(out, torch.Tensor):
             return out
-        return _Packed(layer, out, self.iteration)
+        return TensorId(out, layer, self.iteration)
 
-    def pop_tensor(self, packed: object) -> torch.Tensor:
-        """Saved-tensor unpack hook: the tensor pushed as ``packed``."""
-        if type(packed) is not _Packed:
-            assert isinstance(packed, torch.Tensor)
+    def pack_hook(self, tensor: torch.Tensor) -> TensorId | torch.Tensor:
+        """The saved-tensor pack hook the offload context installs.
+
+        :meth:`push_tensor`, with a kept tensor detached (see NOTE [Kept tensors are
+        detached]).
+        """
+        layer = self.current_layer
+        if layer is None or not self._pushes_to(layer):
+            return tensor.detach()
+        out = self.layers[layer].push_tensor(tensor)
+        if isinstance(out, torch.Tensor):
+            return out.detach()
+        return TensorId(out, layer, self.iteration)
+
+    def pop_tensor(self, packed: TensorId | torch.Tensor) -> torch.Tensor:
+        """Saved-tensor unpack hook: the tensor pushed as ``packed``.
+
+        Raises:
+            TypeError: If ``packed`` is neither a tensor nor an id ``push_tensor`` returned.
+            RuntimeError: If the id belongs to an iteration whose memory was released.
+        """
+        if isinstance(packed, torch.Tensor):
             return packed
+        if not isinstance(packed, TensorId):
+            raise TypeError(
+                "pop_tensor takes what push_tensor returned (a tensor or its TensorId), "
+                f"got {type(packed).__name__} {packed!r}"
+            )
         if packed.iteration != self.iteration:
             raise RuntimeError(
                 "a tensor saved under the CPU offload context belongs to an earlier "
@@ -204,7 +259,7 @@ class OffloadSynchronizer:
         state = self.layers[packed.layer]
         if state.phase in (LayerPhase.OFFLOAD_STARTED, LayerPhase.OFFLOAD_FINISHED):
             self._reload_on_demand(packed.layer, state)
-        return state.pop_tensor(packed.index)
+        return state.pop_tensor(int(packed))
 
     def _reload_on_demand(self, layer_id: int, state: OffloadableLayerState) -> None:
         # Backward needs a layer whose reload was never scheduled (a partial backward,
@@ -229,6 +284,12 @@ class OffloadSynchronizer:
     def is_layer_offloaded(self, layer_id: int) -> bool:
         """Whether ``layer_id``'s saved tensors may be offloaded."""
         return self._pushes_to(layer_id)
+
+    def _check_layer_id(self, layer_id: object) -> None:
+        if isinstance(layer_id, bool) or not isinstance(layer_id, int):
+            raise TypeError(f"layer_id must be an int, got {type(layer_id).__name__}")
+        if not 0 <= layer_id < self.num_layers:
+            raise ValueError(f"layer_id must be in [0, {self.num_layers - 1}], got {layer_id}")
 
     # -- what subclasses decide ------------------------------------------------------
 
@@ -357,10 +418,7 @@ class ManualOffloadSynchronizer(OffloadSynchronizer):
     """
 
     def _layer(self, layer_id: int) -> OffloadableLayerState:
-        if isinstance(layer_id, bool) or not isinstance(layer_id, int):
-            raise TypeError(f"layer_id must be an int, got {type(layer_id).__name__}")
-        if not 0 <= layer_id < self.num_layers:
-            raise ValueError(f"layer_id must be in [0, {self.num_layers - 1}], got {layer_id}")
+        self._check_layer_id(layer_id)
         return self.layers[layer_id]
 
     def start_offload_layer(self, layer_id: int) -> None:

@@ -1,0 +1,142 @@
+"""Per-layer costs of a workload: what each layer saves for backward, and its FLOPs.
+
+Each layer is run alone on the arguments it received in one forward of the whole
+model (captured first), so that layers taking keyword arguments (attention masks,
+position embeddings) are profiled as the model calls them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .._selection import ActivationPolicy
+from .._tensor_group import SavedEntry, TensorGroupProcessor
+from .workload import Workload
+
+__all__ = ["capture_inputs", "forward_cost", "saved_per_layer"]
+
+Call = tuple[tuple[Any, ...], dict[str, Any]]
+
+
+def _detach(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().requires_grad_(value.requires_grad)
+    if isinstance(value, tuple):
+        return tuple(_detach(v) for v in value)
+    if isinstance(value, list):
+        return [_detach(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _detach(v) for k, v in value.items()}
+    return value
+
+
+def capture_inputs(workload: Workload) -> list[Call]:
+    """The positional and keyword arguments each layer received in one forward."""
+    calls: list[Call | None] = [None] * len(workload.layers)
+    handles = []
+    for j, layer in enumerate(workload.layers):
+
+        def hook(module: nn.Module, args: Any, kwargs: Any, _j: int = j) -> None:
+            if calls[_j] is None:
+                calls[_j] = (_detach(args), _detach(kwargs))
+
+        handles.append(layer.register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        workload.loss_fn(workload.model, workload.make_batch())  # graph dropped unused
+    finally:
+        for h in handles:
+            h.remove()
+    missing = [j for j, c in enumerate(calls) if c is None]
+    if missing:
+        raise ValueError(f"layers {missing} did not run in the model's forward")
+    return [c for c in calls if c is not None]
+
+
+def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value
+    return None
+
+
+class _OnDevice:
+    """Whether a tensor is on the layer's device (what a transport would accept)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def __call__(self, tensor: torch.Tensor) -> bool:
+        return tensor.device == self.device
+
+
+class _Collect:
+    """Pack hook that keeps every saved tensor in a list."""
+
+    def __init__(self, into: list[torch.Tensor]) -> None:
+        self.into = into
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.into.append(tensor)
+        return tensor
+
+
+def _identity(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def saved_per_layer(
+    layers: list[nn.Module], calls: list[Call], min_numel: int
+) -> list[tuple[int, int, int]]:
+    """(saved bytes, offloadable bytes, input bytes) of each layer, from one forward."""
+    out = []
+    processor = TensorGroupProcessor()
+    for layer, (args, kwargs) in zip(layers, calls, strict=True):
+        x = _first_tensor(args, kwargs)
+        device = x.device if x is not None else next(layer.parameters()).device
+        policy = ActivationPolicy(min_numel, _OnDevice(device))
+        saved: list[torch.Tensor] = []
+        with torch.autograd.graph.saved_tensors_hooks(_Collect(saved), _identity):
+            layer(*args, **kwargs)
+        storages: dict[int, int] = {}
+        for t in saved:
+            if isinstance(t, nn.Parameter) or (
+                t._base is not None and isinstance(t._base, nn.Parameter)
+            ):
+                continue
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        entries = [SavedEntry(t, None, i) for i, t in enumerate(saved) if policy(t)]
+        plan = processor.process(entries) if entries else None
+        offload = sum(u.nbytes for u in plan.units) if plan else 0
+        inp = x.numel() * x.element_size() if x is not None else 0
+        out.append((sum(storages.values()), offload, inp))
+    return out
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the operators a forward runs: each is at least one kernel launch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def forward_cost(layers: list[nn.Module], calls: list[Call]) -> list[tuple[int, int]]:
+    """(FLOPs, operators) of each layer's forward."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    out = []
+    for layer, (args, kwargs) in zip(layers, calls, strict=True):
+        flops = FlopCounterMode(display=False)
+        ops = _OpCounter()
+        with flops, ops, torch.no_grad():
+            layer(*args, **kwargs)
+        out.append((flops.get_total_flops(), ops.ops))
+    return out

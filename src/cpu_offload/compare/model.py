@@ -1,0 +1,111 @@
+"""``compare_model``: every variant on a model of your own, from Python."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from .overrides import default_offloaded
+from .runner import CompareConfig, CompareReport, run_compare
+from .variants import VARIANTS
+from .workload import user_workload
+
+__all__ = ["DEFAULT_VARIANTS", "compare_model", "default_offloaded"]
+
+#: The variants compared by default (no offloading always runs first).
+DEFAULT_VARIANTS: tuple[str, ...] = ("v1-sync", "v1-async", "v2", "checkpoint", "save_on_cpu")
+
+
+def compare_model(
+    model: nn.Module | Sequence[nn.Module],
+    make_batch: Callable[[], Any],
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+    *,
+    num_offloaded: int | None = None,
+    layers: Sequence[nn.Module] | None = None,
+    variants: Sequence[str] = DEFAULT_VARIANTS,
+    steps: int | None = None,
+    warmup: int | None = None,
+    min_tensor_size_to_offload: int | None = None,
+    deterministic: bool = True,
+    progress: Callable[[str], None] = lambda msg: None,
+) -> CompareReport:
+    """Run no offloading, V1, V2, checkpointing and ``save_on_cpu`` on your model.
+
+    Each variant wraps the same layers of the model (found as :func:`cpu_offload.
+    offload_layers` finds them, or given as ``layers``) and trains the model on the same
+    batch; the report holds the largest difference of the loss and of every gradient
+    against no offloading, the peak memory, the step time with its spread, the copy
+    bandwidth, the stalls and a timeline (on a GPU, measured; on the CPU, the numerics
+    are real and times and memory simulated). Format it with
+    :func:`~cpu_offload.compare.report.format_table`.
+
+    Args:
+        model: The model, on its device and in its dtype, or a list of layers run one
+            after the other.
+        make_batch: Makes one batch (a tensor, or a tuple, list or dict of them). It is
+            called once; every step of every variant trains on that batch.
+        loss_fn: ``loss_fn(model, batch)`` returns the loss; by default the output's
+            ``.loss`` when it has one, else the mean square of its first tensor.
+        num_offloaded: Layers offloaded (or checkpointed), from the first; by default
+            2, or fewer on a stack of less than 4 layers.
+        layers: The layer stack, when it cannot be found in ``model``.
+        variants: Names from :data:`~cpu_offload.compare.VARIANTS`.
+        steps: Measured steps per variant; by default about one second of steps (10 to
+            50) on a GPU, 2 on the CPU.
+        warmup: Untimed steps before them (2 on a GPU, 1 on the CPU by default).
+        min_tensor_size_to_offload: Smallest tensor to offload, in elements (262144 on a
+            GPU, 1024 on the CPU by default).
+        deterministic: Run with ``torch.use_deterministic_algorithms(True)`` (restored
+            afterwards); on a GPU, ``CUBLAS_WORKSPACE_CONFIG`` must be set before CUDA
+            starts.
+        progress: Called with a line of text as each phase starts.
+
+    Returns:
+        The :class:`~cpu_offload.compare.CompareReport`.
+
+    Raises:
+        TypeError: If ``make_batch`` or ``loss_fn`` is not callable.
+        ValueError: On an unknown variant, ``num_offloaded`` outside
+            ``[0, layers - 1]``, or a model whose layer stack cannot be found.
+
+    Example:
+        >>> from cpu_offload.compare import compare_model, format_table
+        >>> model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+        >>> report = compare_model(model, lambda: torch.randn(32, 64), steps=1, warmup=0)
+        >>> report.result("v2").max_grad_diff
+        0.0
+    """
+    workload = user_workload(model, make_batch, loss_fn, layers=layers)
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise ValueError(
+            f"variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}"
+        )
+    n = len(workload.layers)
+    k = default_offloaded(n) if num_offloaded is None else num_offloaded
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < n:
+        raise ValueError(f"num_offloaded must be an int in [0, {n - 1}] for {n} layers, got {k!r}")
+    cuda = workload.device.type == "cuda"
+    config = CompareConfig(
+        spec=None,
+        num_offloaded=k,
+        variants=list(variants),
+        steps=steps,
+        warmup=(2 if cuda else 1) if warmup is None else warmup,
+        min_numel=(256 * 1024 if cuda else 1024)
+        if min_tensor_size_to_offload is None
+        else min_tensor_size_to_offload,
+        device="cuda" if cuda else "cpu",
+        deterministic=deterministic,
+        workload=workload,
+    )
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        return run_compare(config, progress)
+    finally:
+        torch.use_deterministic_algorithms(previous)

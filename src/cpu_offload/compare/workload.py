@@ -1,0 +1,305 @@
+"""What ``compare`` trains: a model, its layer stack, a batch maker and a loss.
+
+The built-in layer kinds, a model of the user's (the Python API, or ``--model
+package.module:factory``) and a ``transformers`` model built from a config file
+(``--model hf:PATH/config.json``, random weights, nothing downloaded) all become a
+:class:`Workload`; the runner only sees that.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._layer_stack import find_layers
+from ..models import ModelSpec, build_layers
+
+__all__ = [
+    "Workload",
+    "default_loss",
+    "hf_workload",
+    "load_factory",
+    "spec_workload",
+    "user_workload",
+]
+
+
+class _Chain(nn.Module):
+    """Runs a stack of layers one after the other: ``x = layer(x)``."""
+
+    def __init__(self, layers: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, x: Any) -> Any:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _first_tensor(out: Any) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, Mapping):
+        values = list(out.values())
+    elif isinstance(out, (tuple, list)):
+        values = list(out)
+    else:
+        values = [getattr(out, name) for name in getattr(out, "__dataclass_fields__", {})]
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            return value
+    raise TypeError(f"the model's output ({type(out).__name__}) holds no tensor to take a loss of")
+
+
+def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """``model(batch)``'s ``.loss`` when it has one, else the mean square of its first tensor."""
+    out = model(batch)
+    loss = getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    return _first_tensor(out).float().square().mean()
+
+
+def _to(batch: Any, device: torch.device, dtype: torch.dtype | None) -> Any:
+    """``batch`` on ``device``; floating-point tensors also in ``dtype`` when given."""
+    if isinstance(batch, torch.Tensor):
+        if dtype is not None and batch.is_floating_point():
+            return batch.to(device=device, dtype=dtype)
+        return batch.to(device)
+    if isinstance(batch, Mapping):
+        return type(batch)({k: _to(v, device, dtype) for k, v in batch.items()})  # type: ignore[call-arg]
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_to(v, device, dtype) for v in batch)
+    return batch
+
+
+class _FixedBatch:
+    """The first batch ``make`` returns, kept on the host and copied to ``device`` each step.
+
+    Every variant must train on the same batch; a fresh copy each step lets offloading
+    free the first layer's input, as in a training loop.
+    """
+
+    def __init__(self, make: Callable[[], Any], device: torch.device) -> None:
+        self.make = make
+        self.device = device
+        self.host: Any = None
+
+    def __call__(self) -> Any:
+        if self.host is None:
+            self.host = _to(self.make(), torch.device("cpu"), None)
+        return _to(self.host, self.device, None)
+
+
+@dataclass
+class Workload:
+    """A model to compare on.
+
+    Attributes:
+        model: The whole model (its parameters are the ones compared).
+        layers: Its layer stack, in forward order (what the variants wrap).
+        make_batch: Makes the batch of a step, on the model's device; called once per
+            step and the result not kept, so that offloading can free it. It returns
+            the same batch every time.
+        loss_fn: ``loss_fn(model, batch)`` runs the forward and returns the loss.
+        description: How the report names the model.
+        facts: Sizes the report shows (hidden, heads, seq, batch, ...; None when unknown).
+    """
+
+    model: nn.Module
+    layers: list[nn.Module]
+    make_batch: Callable[[], Any]
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] = default_loss
+    description: str = "model"
+    facts: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+
+def spec_workload(spec: ModelSpec, device: torch.device | str) -> Workload:
+    """A built-in layer kind: ``spec.layers`` layers, a fixed batch, the mean square loss."""
+    device = torch.device(device)
+    layers = build_layers(spec, device)
+    batch = spec.make_input("cpu")  # one batch, copied to the device for every step
+
+    def make_batch() -> torch.Tensor:
+        return batch.to(device)
+
+    return Workload(
+        model=_Chain(list(layers)),
+        layers=list(layers),
+        make_batch=make_batch,
+        description=spec.kind,
+        facts={"hidden": spec.hidden, "heads": spec.heads, "seq": spec.seq, "batch": spec.batch},
+    )
+
+
+def user_workload(
+    model: nn.Module | Sequence[nn.Module],
+    make_batch: Callable[[], Any],
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+    *,
+    layers: Sequence[nn.Module] | None = None,
+    description: str | None = None,
+) -> Workload:
+    """A model of the user's, for :func:`~cpu_offload.compare.compare_model`.
+
+    Raises:
+        TypeError: If ``make_batch`` or ``loss_fn`` is not callable, or the model has no
+            parameters.
+        ValueError: If the layer stack cannot be found (pass ``layers``).
+    """
+    if not callable(make_batch):
+        raise TypeError(f"make_batch must be callable, got {type(make_batch).__name__}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    if not isinstance(model, nn.Module):
+        model = _Chain(find_layers(model))
+    elif isinstance(model, nn.ModuleList):
+        model = _Chain(list(model))
+    stack = find_layers(model if layers is None else layers)
+    first = next(model.parameters(), None)
+    if first is None:
+        raise TypeError(f"the model ({type(model).__name__}) has no parameters to train")
+    return Workload(
+        model=model,
+        layers=stack,
+        make_batch=_FixedBatch(make_batch, first.device),
+        loss_fn=loss_fn or default_loss,
+        description=description or type(model).__name__,
+    )
+
+
+def load_factory(text: str) -> Callable[..., Any]:
+    """The function named by ``package.module:factory``.
+
+    Raises:
+        ValueError: If ``text`` is not of that form, the module cannot be imported, or
+            it has no callable of that name.
+    """
+    module_name, sep, attr = text.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"--model {text!r}: expected package.module:factory")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"--model {text!r}: cannot import {module_name!r}: {err}") from None
+    factory: Any = module
+    for part in attr.split("."):
+        factory = getattr(factory, part, None)
+    if not callable(factory):
+        raise ValueError(f"--model {text!r}: {module_name} has no callable {attr!r}")
+    return factory  # type: ignore[return-value]
+
+
+def factory_workload(
+    text: str, device: torch.device | str, dtype: torch.dtype, seq: int | None, batch: int | None
+) -> Workload:
+    """Call the factory of ``--model package.module:factory`` and wrap what it returns.
+
+    The factory is called with those of ``device``, ``dtype``, ``seq`` and ``batch`` it
+    accepts as keyword arguments (``seq`` and ``batch`` only when given). It returns
+    ``(model, make_batch)`` or ``(model, make_batch, loss_fn)``; the model is moved to
+    ``device`` and ``dtype``, and each batch to ``device`` (floating-point tensors to
+    ``dtype``).
+
+    Raises:
+        ValueError: If the factory cannot be loaded or returns something else.
+    """
+    factory = load_factory(text)
+    offered = {"device": torch.device(device), "dtype": dtype, "seq": seq, "batch": batch}
+    params = inspect.signature(factory).parameters
+    takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    kwargs = {k: v for k, v in offered.items() if v is not None and (takes_all or k in params)}
+    made = factory(**kwargs)
+    if not isinstance(made, tuple) or len(made) not in (2, 3) or not isinstance(made[0], nn.Module):
+        raise ValueError(
+            f"--model {text!r}: the factory must return (model, make_batch) or "
+            f"(model, make_batch, loss_fn), got {type(made).__name__}"
+        )
+    model = made[0].to(device=device, dtype=dtype)
+    dev = torch.device(device)
+    user_make = made[1]
+
+    def make_batch() -> Any:
+        return _to(user_make(), dev, dtype)
+
+    loss_fn = made[2] if len(made) == 3 else None
+    return user_workload(model, make_batch, loss_fn, description=text)
+
+
+def hf_workload(
+    path: str,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    seq: int,
+    batch: int,
+    layers: int | None = None,
+) -> Workload:
+    """A ``transformers`` causal language model built from ``config.json``, random weights.
+
+    Nothing is downloaded: the config file is read, the model built with SDPA
+    attention, and trained on random tokens with its own language-model loss.
+
+    Args:
+        path: The config file (or the folder holding ``config.json``).
+        device: Where the model runs.
+        dtype: The parameters' dtype.
+        seq: Tokens per sequence.
+        batch: Sequences per batch.
+        layers: Overrides the config's ``num_hidden_layers`` when given.
+
+    Raises:
+        ValueError: If ``transformers`` is not installed, or the config cannot be read.
+    """
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError(
+            "--model hf:...: needs transformers: pip install 'cpu-offload[hf]'"
+        ) from None
+    try:
+        config = transformers.AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--model hf:{path}: cannot read the config: {err}") from None
+    if layers is not None:
+        config.num_hidden_layers = layers
+    config.use_cache = False
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    model = model.to(device=device, dtype=dtype)
+    vocab = config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, vocab, (batch, seq), generator=gen)
+    dev = torch.device(device)
+
+    def make_batch() -> torch.Tensor:
+        return tokens.to(dev)
+
+    def loss_fn(m: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return m(input_ids=ids, labels=ids, use_cache=False).loss
+
+    return Workload(
+        model=model,
+        layers=find_layers(model),
+        make_batch=make_batch,
+        loss_fn=loss_fn,
+        description=f"hf:{Path(path).name if Path(path).is_file() else path} "
+        f"({type(model).__name__})",
+        facts={
+            "hidden": getattr(config, "hidden_size", None),
+            "heads": getattr(config, "num_attention_heads", None),
+            "seq": seq,
+            "batch": batch,
+        },
+    )

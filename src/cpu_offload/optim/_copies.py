@@ -1,0 +1,152 @@
+"""The copy path of an offloaded parameter: gradient to the host, new value back.
+
+One entry's gradient goes to its pinned host buffer (:func:`send_grad`, from backward
+or from ``step()``), becomes the host optimizer's gradient (:func:`take_host_grad`), and
+the stepped host copy goes back into the device parameter (:func:`copy_back`). A copy
+queued on a stream records an event on the entry; whoever reads the other side waits
+for exactly that event.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from ._entries import Entry
+
+__all__ = ["copy_back", "copy_converted", "grad_buffer", "send_grad", "take_host_grad"]
+
+
+def copy_converted(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:
+    """``dst.copy_(src)`` with any dtype conversion done on ``src``'s device.
+
+    PyTorch converts on the host for a blocking device-to-host copy; converting on the
+    GPU first keeps the host's memory bandwidth for the host step.
+    """
+    if src.dtype != dst.dtype:
+        src = src.to(dst.dtype)
+    dst.copy_(src, non_blocking=non_blocking)
+
+
+def _widen_after_copy(
+    event: torch.cuda.Event | None, buf: torch.Tensor, wide: torch.Tensor
+) -> None:
+    # Runs on the worker thread while backward goes on (grad_copy_dtype="param" with a
+    # fp32 master): wait for the copy to the host, then widen it for the master.
+    if event is not None:
+        event.synchronize()
+    wide.copy_(buf)
+
+
+def grad_buffer(entry: Entry, grad: torch.Tensor, pin: bool) -> torch.Tensor:
+    """The entry's host gradient buffer, (re)allocated if ``grad`` does not fit it.
+
+    fp32 for a fp32 master with ``grad_copy_dtype="master"`` (widened on the device),
+    the gradient's own dtype otherwise.
+    """
+    dtype = entry.inner.dtype if entry.host_grad is None and entry.master else grad.dtype
+    buf = entry.grad_buf
+    if buf is None or buf.dtype != dtype or buf.shape != grad.shape:
+        buf = torch.empty(
+            grad.shape, dtype=dtype, device="cpu", pin_memory=entry.param.is_cuda and pin
+        )
+        entry.grad_buf = buf
+    return buf
+
+
+def send_grad(
+    entry: Entry,
+    grad: torch.Tensor,
+    stream: torch.cuda.Stream | None,
+    pin: bool,
+    widen_on: ThreadPoolExecutor | None = None,
+) -> tuple[torch.cuda.Event | None, bool]:
+    """Queue ``grad``'s copy into the entry's host buffer.
+
+    On ``stream``, which the caller has ordered after the gradient's producer, or
+    synchronously when None. With ``widen_on``, a host-widened gradient
+    (``grad_copy_dtype="param"``) is widened by that worker once the copy is done.
+
+    Returns:
+        The copy's event (None for a synchronous copy) and whether it is being widened
+        on the worker (``entry.pending``).
+    """
+    if entry.pending is not None:
+        # The worker may still read the previous copy in this buffer.
+        entry.pending.result()
+        entry.pending = None
+    buf = grad_buffer(entry, grad, pin)
+    event = None
+    if stream is not None:
+        current = torch.cuda.current_stream(grad.device)
+        with torch.cuda.stream(stream):
+            copy_converted(buf, grad, non_blocking=True)
+            event = stream.record_event()
+        if stream != current:
+            # The side stream reads the gradient: keep its memory until that is done.
+            grad.record_stream(stream)
+    else:
+        copy_converted(buf, grad, non_blocking=False)
+    widened = False
+    if widen_on is not None and entry.host_grad is not None and buf.dtype != entry.host_grad.dtype:
+        entry.pending = widen_on.submit(_widen_after_copy, event, buf, entry.host_grad)
+        widened = True
+    return event, widened
+
+
+def take_host_grad(entry: Entry) -> None:
+    """Wait for the entry's gradient on the host and hand it to its host optimizer."""
+    if not entry.offloaded:
+        return
+    if not entry.has_grad:
+        entry.inner.grad = None
+        return
+    if entry.h2d_event is not None:
+        # The previous copy back may still read the host buffers about to be written.
+        entry.h2d_event.synchronize()
+    buf = entry.grad_buf
+    assert buf is not None
+    if entry.pending is not None:
+        entry.pending.result()
+        entry.pending = None
+    elif entry.d2h_event is not None:
+        entry.d2h_event.synchronize()
+    if entry.host_grad is not None:
+        if not entry.widened:
+            entry.host_grad.copy_(buf)
+        entry.inner.grad = entry.host_grad
+    elif buf.dtype == entry.inner.dtype:
+        entry.inner.grad = buf
+    else:
+        entry.inner.grad = buf.to(entry.inner.dtype)
+
+
+def copy_back(entry: Entry, stream: torch.cuda.Stream | None) -> None:
+    """Queue the stepped values of a host entry into its parameter (on ``stream``)."""
+    if entry.inner.grad is None:
+        return  # not stepped: nothing changed
+    if not entry.offloaded:
+        if entry.master:
+            entry.param.copy_(entry.inner)
+            entry.note_param_written()
+            entry.inner.grad = None
+        return
+    source = entry.inner
+    if entry.stage is not None:
+        entry.stage.copy_(entry.inner)  # narrow on the host: half the bytes cross PCIe
+        source = entry.stage
+    if stream is None:
+        entry.param.copy_(source)
+        entry.note_param_written()
+        return
+    with torch.cuda.stream(stream):
+        if source.dtype != entry.param.dtype:
+            # param_copy_dtype="master": fp32 crosses PCIe, narrowed on the device.
+            wide = torch.empty(source.shape, dtype=source.dtype, device=entry.param.device)
+            wide.copy_(source, non_blocking=True)
+            entry.param.copy_(wide)
+        else:
+            entry.param.copy_(source, non_blocking=True)
+        entry.h2d_event = stream.record_event()
+    entry.note_param_written()

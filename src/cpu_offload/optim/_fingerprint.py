@@ -1,0 +1,133 @@
+"""Exact fingerprints of gradients, to tell whether an early gradient copy still holds.
+
+A gradient copied to the host during backward is reused in ``step()`` only if nothing
+changed it in between: the same tensor, the same version counter and the same
+fingerprint of its bits, taken on its device (see :func:`fingerprint`).
+"""
+
+from __future__ import annotations
+
+import weakref  # noqa: F401  (EarlyCopy.grad is a weak reference)
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from ._entries import Entry
+
+__all__ = ["EarlyCopy", "check_early_copies", "fingerprint", "keep_unchanged_early_copies"]
+
+# Integer dtype of each element width, to read a tensor's bits element by element.
+_INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.int64}
+
+_FINGERPRINT_CHUNK = 1 << 24  # elements widened at a time: bounds the temporary memory
+_FINGERPRINT_ROW = 1 << 15  # 2^15 unsigned 16-bit codes sum below 2^31: int32 rows
+
+
+def fingerprint(tensor: torch.Tensor) -> torch.Tensor:
+    """An exact checksum of ``tensor``'s bits, as int64 ``(sum, max, min)``, on its device.
+
+    Each element's bits are read as *unsigned* integers of its width (8-byte elements
+    as two 4-byte halves) and summed exactly in int64. Signed codes would let +x
+    and a negative value mirror each other and cancel when both are zeroed; unsigned
+    codes are all positive, so zeroing any nonzero elements, any single-element edit
+    and any uniform power-of-2 scaling (which adds the same amount to every nonzero
+    code) change the sum. Integer reductions are exact in any order, so the value does
+    not depend on the reduction's layout. Max and min of the signed codes come on top.
+
+    Args:
+        tensor: Any dense tensor.
+
+    Returns:
+        A 3-element int64 tensor on ``tensor``'s device.
+
+    Example:
+        >>> x = torch.tensor([1.0, -2.0])
+        >>> bool(torch.equal(fingerprint(x), fingerprint(x.clone())))
+        True
+        >>> bool(torch.equal(fingerprint(x), fingerprint(x * 2)))
+        False
+    """
+    if tensor.numel() == 0:
+        return torch.zeros(3, dtype=torch.int64, device=tensor.device)
+    flat = tensor.detach().reshape(-1)
+    ints = flat.view(_INT_VIEW[tensor.element_size()])
+    # Wider elements are summed as their 4-byte halves, so that the sum stays exact.
+    width = min(tensor.element_size(), 4)
+    words = (flat if width == tensor.element_size() else flat.contiguous()).view(_INT_VIEW[width])
+    total = torch.zeros((), dtype=torch.int64, device=tensor.device)
+    mask = (1 << (8 * width)) - 1
+    for chunk in words.split(_FINGERPRINT_CHUNK):
+        if width <= 2:
+            codes = chunk.to(torch.int32).bitwise_and_(mask)
+            full = codes.numel() - codes.numel() % _FINGERPRINT_ROW
+            rows = codes[:full].view(-1, _FINGERPRINT_ROW).sum(1, dtype=torch.int32)
+            total += rows.sum(dtype=torch.int64) + codes[full:].sum(dtype=torch.int64)
+        else:
+            total += chunk.to(torch.int64).bitwise_and_(mask).sum()
+    return torch.stack([total, ints.amax().to(torch.int64), ints.amin().to(torch.int64)])
+
+
+@dataclass(eq=False)
+class EarlyCopy:
+    """A gradient copy started in backward, to be checked in ``step()``."""
+
+    grad: weakref.ref[torch.Tensor]
+    version: int
+    copy_event: torch.cuda.Event | None
+    # The gradient's fingerprint, taken on its device on the stream that produced it,
+    # before anything queued after the hook could change it.
+    fingerprint: torch.Tensor
+    widened: bool  # the worker widens it into the entry's host_grad (entry.pending)
+
+
+def check_early_copies(
+    entries: Sequence[Entry],
+) -> tuple[list[Entry], torch.Tensor | None, torch.cuda.Event | None]:
+    """Queue the check of the gradients that have a still-plausible early copy.
+
+    Returns the candidates, whether each gradient's fingerprint is unchanged (a host
+    bool tensor, complete once the returned event is) and that event (None off CUDA).
+    Drops the other early copies.
+    """
+    candidates: list[Entry] = []
+    now: list[torch.Tensor] = []
+    for entry in entries:
+        record, entry.early = entry.early, None
+        grad = entry.param.grad
+        if record is None or grad is None:
+            continue
+        if record.grad() is not grad or grad._version != record.version:
+            continue
+        entry.early = record
+        candidates.append(entry)
+        now.append(fingerprint(grad))
+    if not candidates:
+        return [], None, None
+    then = torch.stack([e.early.fingerprint for e in candidates])  # type: ignore[union-attr]
+    same = (torch.stack(now) == then).all(dim=1)
+    if not same.is_cuda:
+        return candidates, same, None
+    # A non-blocking copy and an event, so that the device step can be queued before
+    # the host waits for these (and thereby for the end of backward).
+    same_host = same.to("cpu", non_blocking=True)
+    return candidates, same_host, torch.cuda.current_stream(same.device).record_event()
+
+
+def keep_unchanged_early_copies(
+    candidates: Sequence[Entry], same: torch.Tensor | None, event: torch.cuda.Event | None
+) -> int:
+    """Keep the early copies whose gradient's fingerprint is unchanged; count them."""
+    if not candidates or same is None:
+        return 0
+    if event is not None:
+        event.synchronize()
+    kept = 0
+    for entry, ok in zip(candidates, same.tolist(), strict=True):
+        if ok:
+            kept += 1
+        else:
+            entry.early = None
+    return kept

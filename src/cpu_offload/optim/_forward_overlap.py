@@ -1,0 +1,253 @@
+"""Host steps that finish under the next forward (``overlap_host_step_with_forward``).
+
+``step()`` queues the host buckets on a worker thread, in the order the next forward
+reads their parameters, and returns. Each parameter's new value is copied back as soon
+as its bucket is stepped; ``Entry.landed`` is set once that copy is queued and
+``Entry.h2d_event`` marks the copy itself. Readers wait for exactly the parameters they
+read:
+
+* every module's forward, through one global forward pre-hook: a module waits for its
+  own parameters and for those of descendants that the first forward did not run
+  (``nn.MultiheadAttention`` reads ``out_proj``'s parameters without calling it); the
+  descendants that ran wait for theirs;
+* ``module.state_dict()`` of those modules (a state-dict pre-hook on each);
+* ``synchronize()``, and through it the optimizer's ``state_dict()``,
+  ``load_state_dict()``, ``add_param_group()`` and the next ``step()``.
+
+The same hook learns, in the first forward, which modules run and in which order they
+read the parameters; the host buckets follow that order from the first ``step()`` on.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+
+from ._copies import copy_back, take_host_grad
+from ._entries import Entry, Sub
+
+__all__ = ["ForwardOverlap", "UnguardedReadError"]
+
+
+class UnguardedReadError(RuntimeError):
+    """A parameter was read while its update from the host could still be in flight."""
+
+
+class _ForwardPreHook:
+    # Global hook: holds the overlap state weakly so that it never keeps it alive.
+    def __init__(self, owner: ForwardOverlap) -> None:
+        self._owner = weakref.ref(owner)
+
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        owner = self._owner()
+        if owner is not None:
+            owner.before_forward(module)
+
+
+class _StateDictPreHook:
+    def __init__(self, owner: ForwardOverlap) -> None:
+        self._owner = weakref.ref(owner)
+
+    def __call__(self, module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
+        owner = self._owner()
+        if owner is not None:
+            owner.before_state_dict(module)
+
+
+class ForwardOverlap:
+    """Pending host updates of one optimizer and the waits for them."""
+
+    def __init__(self, cuda_device: torch.device | None) -> None:
+        self.cuda_device = cuda_device
+        self._pending: dict[int, Entry] = {}
+        self._entry_by_id: dict[int, Entry] = {}
+        self._order: dict[int, int] = {}  # id(param) -> first-read position in a forward
+        # id(module) -> ids of the parameters it waits for (entries change on rebuilds)
+        self._guards: dict[int, list[int]] = {}
+        self._seen: dict[int, torch.nn.Module] = {}  # modules run while learning
+        self.learning = True
+        self._future: Future[dict[str, float]] | None = None
+        self._error: BaseException | None = None
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="cpu_offload_hdo_step")
+        self._handles: list[Any] = [
+            torch.nn.modules.module.register_module_forward_pre_hook(_ForwardPreHook(self))
+        ]
+        weakref.finalize(self, _close, self._handles, self._executor)
+
+    # ------------------------------------------------------------------ entries
+
+    def track(self, entries: Sequence[Entry]) -> None:
+        """Watch the parameters of ``entries`` (after a rebuild; nothing may be pending)."""
+        assert not self._pending
+        self._entry_by_id = {id(e.param): e for e in entries}
+
+    def forward_position(self, entry: Entry) -> int | None:
+        """Where a forward first read the entry's parameter (None: not seen)."""
+        return self._order.get(id(entry.param))
+
+    # ------------------------------------------------------------------ the hook
+
+    def before_forward(self, module: torch.nn.Module) -> None:
+        """Wait for the parameters this module's forward reads; note it while learning."""
+        if self.learning:
+            self._seen.setdefault(id(module), module)
+        if not self._pending:
+            return
+        guarded = self._guards.get(id(module))
+        if guarded is None:
+            # A module the first forward did not run: its own parameters.
+            guarded = [id(p) for p in module._parameters.values() if p is not None]
+        for key in guarded:
+            entry = self._pending.get(key)
+            if entry is not None:
+                self.wait(entry)
+
+    def before_state_dict(self, module: torch.nn.Module) -> None:
+        """Wait for the module's guarded parameters (``module.state_dict()``)."""
+        self.before_forward(module)
+
+    def finish_learning(self) -> None:
+        """Turn the modules the first forward ran into what each one waits for.
+
+        A module guards its own parameters and those of descendants whose forward did
+        not run (``nn.MultiheadAttention`` reads ``out_proj``'s parameters without
+        calling it); descendants that ran guard theirs. Parameters are ordered by the
+        first module guarding them.
+        """
+        if not self.learning:
+            return
+        self.learning = False
+        seen, self._seen = self._seen, {}
+
+        def collect(module: torch.nn.Module, out: list[int]) -> None:
+            for p in module._parameters.values():
+                if p is None or id(p) not in self._entry_by_id:
+                    continue
+                self._order.setdefault(id(p), len(self._order))
+                out.append(id(p))
+            for child in module._modules.values():
+                if child is not None and id(child) not in seen:
+                    collect(child, out)
+
+        for key, module in seen.items():
+            guarded: list[int] = []
+            collect(module, guarded)
+            if guarded:
+                self._guards[key] = guarded
+                # model.state_dict() reads the parameters too: it waits for them as well.
+                hook = module.register_state_dict_pre_hook(_StateDictPreHook(self))
+                self._handles.append(hook)
+
+    # ------------------------------------------------------------------ waiting
+
+    def wait(self, entry: Entry) -> None:
+        """Order the current stream (and the host) after the entry's update."""
+        landed = entry.landed
+        if landed is not None:
+            landed.wait()
+        self._pending.pop(id(entry.param), None)
+        entry.unguarded = False
+        if self._error is not None:
+            self._raise_error()
+        if entry.h2d_event is not None and self.cuda_device is not None:
+            torch.cuda.current_stream(self.cuda_device).wait_event(entry.h2d_event)
+
+    def wait_all(self) -> dict[str, float]:
+        """Wait for every pending update; return the host step's timings (or {})."""
+        future, self._future = self._future, None
+        timings: dict[str, float] = {}
+        if future is not None:
+            try:
+                timings = future.result()
+            except BaseException as exc:  # raised below, for the waiting caller
+                self._error = exc
+        if self._error is not None:
+            self._raise_error()
+        for entry in list(self._pending.values()):
+            self.wait(entry)
+        return timings
+
+    def _raise_error(self) -> None:
+        # Reported once: nothing stays pending behind a failed host step.
+        error, self._error = self._error, None
+        self._future = None
+        for entry in self._pending.values():
+            entry.unguarded = False
+        self._pending.clear()
+        raise RuntimeError(
+            "the host optimizer step that ran after step() returned failed; the "
+            "offloaded parameters were not all updated"
+        ) from error
+
+    @property
+    def busy(self) -> bool:
+        """Whether updates may still be in flight."""
+        return bool(self._pending) or self._future is not None
+
+    # ------------------------------------------------------------------ stepping
+
+    def submit(self, subs: Sequence[Sub], h2d: torch.cuda.Stream | None) -> None:
+        """Step ``subs`` on the worker, in order, each entry's copy back as it is done."""
+        for sub in subs:
+            for entry in sub.entries:
+                entry.landed = threading.Event()
+                entry.unguarded = True
+                self._pending[id(entry.param)] = entry
+        self._future = self._executor.submit(self._run, list(subs), h2d)
+
+    def _run(self, subs: list[Sub], h2d: torch.cuda.Stream | None) -> dict[str, float]:
+        host_step = wait = convert = 0.0
+        device = torch.cuda.device(self.cuda_device) if self.cuda_device is not None else None
+        try:
+            # Grad mode is per thread: the copies back write leaf parameters in place.
+            with torch.no_grad(), device if device is not None else nullcontext():
+                for sub in subs:
+                    t0 = time.perf_counter()
+                    for entry in sub.entries:
+                        take_host_grad(entry)
+                    t1 = time.perf_counter()
+                    sub.optimizer.step()
+                    t2 = time.perf_counter()
+                    for entry in sub.entries:
+                        copy_back(entry, h2d)
+                        assert entry.landed is not None
+                        entry.landed.set()
+                    wait += t1 - t0
+                    host_step += t2 - t1
+                    convert += time.perf_counter() - t2
+        except BaseException as exc:
+            self._error = exc
+            raise
+        finally:
+            # Never leave a reader waiting: a failure is reported by wait().
+            for sub in subs:
+                for entry in sub.entries:
+                    if entry.landed is not None:
+                        entry.landed.set()
+        return {"host_step_s": host_step, "host_wait_s": wait, "host_copy_back_s": convert}
+
+    def check_read(self, entry: Entry) -> None:
+        """Raise if backward reached a parameter that no reader waited for."""
+        if entry.unguarded:
+            raise UnguardedReadError(
+                f"a parameter of shape {tuple(entry.param.shape)} was used in a forward "
+                "pass while its update from the host step could still be in flight "
+                "(overlap_host_step_with_forward=True): it was read outside its own "
+                "module's forward (a functional call on another module's parameter, or "
+                "code outside any module). Call optimizer.synchronize() before such "
+                "reads, or turn the option off"
+            )
+
+
+def _close(handles: list[Any], executor: ThreadPoolExecutor) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
+    executor.shutdown(wait=False)

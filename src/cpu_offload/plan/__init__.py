@@ -1,0 +1,34 @@
+"""Plan activation memory per layer: keep, offload or recompute, for a memory budget.
+
+:func:`profile_model` measures a model in a few steps, :func:`search` chooses per layer
+the plan whose modelled step is fastest within a budget (:func:`estimate` is the model),
+:func:`apply_plan` runs it through :func:`cpu_offload.offload_layers`, and
+:func:`save_plan` / :func:`load_plan` keep it between runs.
+"""
+
+from __future__ import annotations
+
+from .apply import apply_plan
+from .io import PlanFileError, load_plan, save_plan
+from .model import Choice, Estimate, LayerCost, Link, Profile, estimate
+from .profile import profile_model
+from .search import NoPlanFits, Plan, best_single_methods, search, single_methods
+
+__all__ = [
+    "Choice",
+    "Estimate",
+    "LayerCost",
+    "Link",
+    "NoPlanFits",
+    "Plan",
+    "PlanFileError",
+    "Profile",
+    "apply_plan",
+    "best_single_methods",
+    "estimate",
+    "load_plan",
+    "profile_model",
+    "save_plan",
+    "search",
+    "single_methods",
+]

@@ -1,0 +1,63 @@
+"""Running a plan: its layers offloaded and recomputed through :func:`cpu_offload.offload_layers`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from torch import nn
+
+from .._layer_stack import find_layers
+from ..layers import OffloadedLayers, offload_layers
+from .search import Plan
+
+__all__ = ["apply_plan"]
+
+
+def apply_plan(
+    model_or_layers: nn.Module | Iterable[nn.Module], plan: Plan, **context_kwargs: Any
+) -> OffloadedLayers:
+    """Offload and recompute the layers of ``model_or_layers`` as ``plan`` says.
+
+    Offloaded layers run under the offload context with the schedule the plan was
+    modelled with; recomputed layers run through
+    ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``; kept layers run as they
+    are. Results are bit-identical to the model without offloading.
+
+    Args:
+        model_or_layers: What :func:`cpu_offload.offload_layers` accepts.
+        plan: A plan from :func:`cpu_offload.plan.search` or
+            :func:`cpu_offload.plan.load_plan`.
+        **context_kwargs: Passed to :func:`cpu_offload.get_cpu_offload_context`
+            (``transport``, ``min_tensor_size_to_offload``, ...).
+
+    Returns:
+        The :func:`cpu_offload.offload_layers` handle; ``handle.remove()`` restores the
+        model.
+
+    Raises:
+        TypeError: If ``plan`` is not a :class:`Plan`.
+        ValueError: If the plan was made for another number of layers; and whatever
+            :func:`cpu_offload.offload_layers` raises.
+
+    Example:
+        >>> import torch
+        >>> from cpu_offload.plan.model import Choice
+        >>> layers = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(3)])
+        >>> plan = Plan((Choice.OFFLOAD, Choice.RECOMPUTE, Choice.KEEP), 1, 0.0, 0)
+        >>> handle = apply_plan(layers, plan, min_tensor_size_to_offload=1)
+        >>> layers(torch.randn(8, 64, requires_grad=True)).sum().backward()
+        >>> handle.remove()
+    """
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a cpu_offload.plan.Plan, got {type(plan).__name__}")
+    n = len(find_layers(model_or_layers))
+    if len(plan.choices) != n:
+        raise ValueError(
+            f"the plan was made for {len(plan.choices)} layers, but the model has {n}: "
+            "make a plan for this model"
+        )
+    # offloaded=() (not None) so that a plan keeping every layer is a valid no-op.
+    return offload_layers(
+        model_or_layers, offloaded=plan.offloaded, recomputed=plan.recomputed, **context_kwargs
+    )

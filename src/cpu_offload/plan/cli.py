@@ -1,0 +1,271 @@
+"""``cpu-offload plan``: the fastest keep/offload/recompute plan of a model for a budget.
+
+It profiles the model in a few steps (or takes the profile saved with an earlier
+plan), plans for the budget, runs the plan and the best single method at the same or
+a lower modelled peak, and prints modelled against measured step time and peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from typing import Any
+
+__all__ = ["add_plan_parser", "parse_budget", "run_plan"]
+
+_UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def parse_budget(text: str) -> int | float:
+    """A budget: bytes with a unit (``12GiB``, ``800MiB``, ``1.5GB``), or a fraction.
+
+    A bare number in ``(0, 1]`` is a fraction of the peak without offloading.
+
+    Args:
+        text: What the user wrote.
+
+    Returns:
+        Bytes (int) or a fraction (float).
+
+    Raises:
+        ValueError: If it is neither, naming the accepted forms.
+
+    Example:
+        >>> parse_budget("12GiB"), parse_budget("800MiB"), parse_budget("0.6")
+        (12884901888, 838860800, 0.6)
+    """
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    forms = "a size such as 12GiB, 800MiB or 1.5GB, or a fraction in (0, 1] of the no-offload peak"
+    if match is None:
+        raise ValueError(f"--budget must be {forms}; got {text!r}")
+    value, unit = float(match.group(1)), match.group(2).upper()
+    if not unit:
+        if 0 < value <= 1:
+            return value
+        raise ValueError(f"--budget {text!r}: a bare number must be in (0, 1]; for bytes, {forms}")
+    if unit not in _UNITS:
+        raise ValueError(
+            f"--budget {text!r}: unknown unit {match.group(2)!r}; use one of "
+            "B, KB, MB, GB, KiB, MiB, GiB, TiB"
+        )
+    nbytes = int(value * _UNITS[unit])
+    if nbytes <= 0:
+        raise ValueError(f"--budget must be more than 0 bytes, got {text!r}")
+    return nbytes
+
+
+def _budget_type(text: str) -> int | float:
+    try:
+        return parse_budget(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _positive(name: str):  # type: ignore[no-untyped-def]
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {value}")
+        return value
+
+    return parse
+
+
+def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``plan`` subcommand to the ``cpu-offload`` parser's subparsers."""
+    from ..models import MODEL_KINDS
+
+    p = subparsers.add_parser(
+        "plan",
+        help="choose per layer: keep, offload or recompute, for a memory budget",
+        description=(
+            "Profiles the model in a few steps, chooses per layer whether to keep, offload "
+            "or recompute its activations so that the modelled peak stays within the budget "
+            "and the modelled step is fastest, then runs the plan and the best single method "
+            "(offload k, recompute k, recompute all) at the same or a lower modelled peak, "
+            "and prints modelled against measured step and peak. Without a GPU the layers "
+            "run on the CPU stand-in: times are CPU times and there is no device memory to "
+            "measure."
+        ),
+    )
+    p.add_argument(
+        "--budget",
+        required=True,
+        type=_budget_type,
+        help="peak device memory allowed: 12GiB, 800MiB, 1.5GB, or 0.6 (a fraction of the "
+        "peak without offloading)",
+    )
+    p.add_argument("--model", choices=MODEL_KINDS, default="gpt", help="layer kind (default gpt)")
+    p.add_argument("--hidden", type=_positive("--hidden"), help="model width")
+    p.add_argument("--heads", type=_positive("--heads"), help="attention heads")
+    p.add_argument("--seq", type=_positive("--seq"), help="sequence length")
+    p.add_argument("--batch", type=_positive("--batch"), help="batch size")
+    p.add_argument("--layers", type=_positive("--layers"), help="number of layers")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), help="bf16 on a GPU, fp32 on the CPU")
+    p.add_argument("--device", choices=("cuda", "cpu"), help="cuda when available")
+    p.add_argument("--steps", type=_positive("--steps"), help="timed steps (default 3)")
+    p.add_argument(
+        "--min-tensor-size",
+        type=int,
+        help="smallest tensor to offload, in elements (262144 on a GPU, 8192 on the CPU)",
+    )
+    p.add_argument("--load", metavar="PLAN.json", help="take the profile from a saved plan")
+    p.add_argument("--save", metavar="PLAN.json", help="save the plan (with its profile)")
+    p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    p.add_argument("--no-measure", action="store_true", help="print the model's figures only")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.set_defaults(plan_parser=p)
+    return p
+
+
+def _gib(nbytes: int | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / 2**30:.2f}"
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Run ``cpu-offload plan`` with parsed ``args``.
+
+    Returns:
+        0; bad input (a budget no plan fits, an unreadable plan file) exits with status 2
+        and a message.
+    """
+    import torch
+
+    from ..models import ModelSpec, build_layers, run_layers
+    from .io import PlanFileError, load_plan, save_plan
+    from .model import Choice, estimate
+    from .profile import measure_choices, profile_model
+    from .search import NoPlanFits, best_single_methods, search, single_methods
+
+    parser: argparse.ArgumentParser = args.plan_parser
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available here")
+    gpu = device == "cuda"
+    spec = ModelSpec(
+        kind=args.model,
+        hidden=args.hidden or (2048 if gpu else 128),
+        heads=args.heads or (16 if gpu else 4),
+        seq=args.seq or (2048 if gpu else 128),
+        batch=args.batch or (2 if gpu else 4),
+        layers=args.layers or 8,
+        dtype=getattr(torch, _DTYPES[args.dtype or ("bf16" if gpu else "fp32")]),
+    )
+    if spec.hidden % spec.heads:
+        parser.error(f"--heads ({spec.heads}) must divide --hidden ({spec.hidden})")
+    min_numel = args.min_tensor_size
+    if min_numel is None:
+        min_numel = 256 * 1024 if gpu else 8 * 1024
+    if min_numel < 0:
+        parser.error("--min-tensor-size must be >= 0")
+    steps = args.steps or 3
+
+    def progress(msg: str) -> None:
+        if not args.quiet:
+            print(f"cpu-offload plan: {msg}", file=sys.stderr, flush=True)
+
+    layers = build_layers(spec, device)
+    x = spec.make_input(device)
+
+    def step() -> torch.Tensor:
+        return run_layers(layers, x).float().square().mean()
+
+    if args.load:
+        try:
+            profile = load_plan(args.load).profile
+        except (OSError, PlanFileError) as err:
+            parser.error(f"--load: {err}")
+        if profile is None:
+            parser.error(f"--load {args.load}: the file holds no profile to plan from")
+        if profile.num_layers != spec.layers:
+            parser.error(
+                f"--load {args.load}: its profile has {profile.num_layers} layers, the "
+                f"model {spec.layers}"
+            )
+    else:
+        progress(f"profiling {spec.layers} {spec.kind} layers on {device}")
+        profile = profile_model(layers, step, steps=steps, min_tensor_size_to_offload=min_numel)
+    n = profile.num_layers
+    keep = estimate(profile, [Choice.KEEP] * n)
+    budget = args.budget
+    if isinstance(budget, float):
+        budget = int(budget * keep.peak_bytes)
+    try:
+        plan = search(profile, budget)
+    except NoPlanFits as err:
+        parser.error(f"--budget: {err}")
+    single = best_single_methods(profile, plan.peak_bytes)
+    rows: list[dict[str, Any]] = [
+        {"name": "no offloading", "choices": (Choice.KEEP,) * n, "modelled": keep},
+        {"name": f"plan {plan.describe()}", "choices": plan.choices, "modelled": None},
+    ]
+    rows[1]["modelled"] = estimate(profile, plan.choices)
+    if single is not None:
+        rows.append(
+            {
+                "name": f"best single method: {single[0]}",
+                "choices": single_methods(n)[single[0]],
+                "modelled": single[1],
+            }
+        )
+    for row in rows:
+        row["measured"] = (None, None)
+        if not args.no_measure:
+            progress(f"running {row['name']}")
+            row["measured"] = measure_choices(
+                layers, step, row["choices"], steps=steps, min_tensor_size_to_offload=min_numel
+            )
+    print(
+        f"Plan for {n} {spec.kind} layers on {profile.device}, budget {_gib(budget)} GiB "
+        f"({budget / keep.peak_bytes:.2f} of the modelled peak without offloading); "
+        f"offloaded layers {list(plan.offloaded)}, recomputed {list(plan.recomputed)}."
+    )
+    if not gpu:
+        print("CPU stand-in: measured times are CPU times; no device memory is measured.")
+    print()
+    print("| configuration | modelled step ms | modelled peak GiB | step ms | peak GiB |")
+    print("|---|---:|---:|---:|---:|")
+    for row in rows:
+        est, (ms, peak) = row["modelled"], row["measured"]
+        print(
+            f"| {row['name']} | {est.step_ms:.1f} | {_gib(est.peak_bytes)} | {_ms(ms)} | "
+            f"{_gib(peak)} |"
+        )
+    if args.save:
+        save_plan(plan, args.save)
+        progress(f"wrote {args.save}")
+    if args.json:
+        out = [
+            {
+                "name": r["name"],
+                "choices": [c.value for c in r["choices"]],
+                "modelled_step_ms": r["modelled"].step_ms,
+                "modelled_peak_bytes": r["modelled"].peak_bytes,
+                "measured_step_ms": r["measured"][0],
+                "measured_peak_bytes": r["measured"][1],
+            }
+            for r in rows
+        ]
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump({"device": profile.device, "budget_bytes": budget, "rows": out}, fh, indent=2)
+        progress(f"wrote {args.json}")
+    return 0

@@ -1,0 +1,258 @@
+"""Saving and loading plans as JSON, so that a training job need not profile at every start.
+
+The file holds a format name, a version, the choices and the model's figures, and the
+profile the plan was made from (when known), so that another budget can be planned
+from the file alone. Loading checks every field and names the one that is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from .model import Choice, LayerCost, Link, Profile, check_choices  # noqa: F401 (examples)
+from .search import Plan
+
+__all__ = [
+    "FORMAT",
+    "VERSION",
+    "PlanFileError",
+    "load_plan",
+    "plan_from_dict",
+    "plan_to_dict",
+    "save_plan",
+]
+
+#: The ``format`` field of a plan file.
+FORMAT = "cpu-offload-plan"
+#: The version this code writes and reads.
+VERSION = 1
+
+
+class PlanFileError(ValueError):
+    """A plan file (or dict) that cannot be read: the message names the field."""
+
+
+def _profile_to_dict(profile: Profile) -> dict[str, Any]:
+    return {
+        "device": profile.device,
+        "static_bytes": profile.static_bytes,
+        "other_ms": profile.other_ms,
+        "link": {
+            "d2h_gbps": profile.link.d2h_gbps,
+            "h2d_gbps": profile.link.h2d_gbps,
+            "duplex_gbps": profile.link.duplex_gbps,
+            "two_streams": profile.link.two_streams,
+        },
+        "layers": [
+            {
+                "forward_ms": c.forward_ms,
+                "backward_ms": c.backward_ms,
+                "recompute_ms": c.recompute_ms,
+                "saved_bytes": c.saved_bytes,
+                "offload_bytes": c.offload_bytes,
+                "input_bytes": c.input_bytes,
+                "workspace_bytes": c.workspace_bytes,
+            }
+            for c in profile.layers
+        ],
+    }
+
+
+def plan_to_dict(plan: Plan) -> dict[str, Any]:
+    """The JSON-ready form of ``plan`` (with its profile, when it has one).
+
+    Example:
+        >>> plan = Plan((Choice.OFFLOAD, Choice.KEEP), 100, 3.0, 90)
+        >>> plan_to_dict(plan)["choices"]
+        ['offload', 'keep']
+    """
+    out: dict[str, Any] = {
+        "format": FORMAT,
+        "version": VERSION,
+        "num_layers": len(plan.choices),
+        "choices": [c.value for c in plan.choices],
+        "budget_bytes": plan.budget_bytes,
+        "modelled": {"step_ms": plan.step_ms, "peak_bytes": plan.peak_bytes},
+    }
+    if plan.profile is not None:
+        out["profile"] = _profile_to_dict(plan.profile)
+    return out
+
+
+class _Reader:
+    """Typed access to a JSON object, with errors naming the field's path."""
+
+    def __init__(self, data: object, path: str) -> None:
+        if not isinstance(data, Mapping):
+            raise PlanFileError(f"{path} must be a JSON object, got {type(data).__name__}")
+        self.data = data
+        self.path = path
+
+    def _get(self, key: str) -> object:
+        if key not in self.data:
+            raise PlanFileError(f"missing field {self.path}.{key}")
+        return self.data[key]
+
+    def number(self, key: str, *, positive: bool = False) -> float:
+        value = self._get(key)
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+        ):
+            raise PlanFileError(f"{self.path}.{key} must be a number, got {value!r}")
+        if value < 0 or (positive and value == 0):
+            bound = "> 0" if positive else ">= 0"
+            raise PlanFileError(f"{self.path}.{key} must be {bound}, got {value!r}")
+        return float(value)
+
+    def optional_number(self, key: str, *, positive: bool = False) -> float | None:
+        if self.data.get(key) is None:
+            return None
+        return self.number(key, positive=positive)
+
+    def count(self, key: str) -> int:
+        value = self._get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise PlanFileError(f"{self.path}.{key} must be an int >= 0, got {value!r}")
+        return value
+
+    def text(self, key: str) -> str:
+        value = self._get(key)
+        if not isinstance(value, str):
+            raise PlanFileError(f"{self.path}.{key} must be a string, got {value!r}")
+        return value
+
+    def flag(self, key: str) -> bool:
+        value = self._get(key)
+        if not isinstance(value, bool):
+            raise PlanFileError(f"{self.path}.{key} must be true or false, got {value!r}")
+        return value
+
+    def listing(self, key: str) -> list[object]:
+        value = self._get(key)
+        if not isinstance(value, list):
+            raise PlanFileError(f"{self.path}.{key} must be a list, got {value!r}")
+        return value
+
+    def child(self, key: str) -> _Reader:
+        return _Reader(self._get(key), f"{self.path}.{key}")
+
+
+def _profile_from(r: _Reader) -> Profile:
+    link = r.child("link")
+    layers = []
+    for i, item in enumerate(r.listing("layers")):
+        lr = _Reader(item, f"{r.path}.layers[{i}]")
+        cost = LayerCost(
+            forward_ms=lr.number("forward_ms"),
+            backward_ms=lr.number("backward_ms"),
+            recompute_ms=lr.optional_number("recompute_ms"),
+            saved_bytes=lr.count("saved_bytes"),
+            offload_bytes=lr.count("offload_bytes"),
+            input_bytes=lr.count("input_bytes"),
+            workspace_bytes=lr.count("workspace_bytes"),
+        )
+        if cost.offload_bytes > cost.saved_bytes:
+            raise PlanFileError(
+                f"{lr.path}.offload_bytes ({cost.offload_bytes}) must be at most "
+                f"saved_bytes ({cost.saved_bytes})"
+            )
+        layers.append(cost)
+    return Profile(
+        tuple(layers),
+        Link(
+            d2h_gbps=link.number("d2h_gbps", positive=True),
+            h2d_gbps=link.number("h2d_gbps", positive=True),
+            duplex_gbps=link.optional_number("duplex_gbps", positive=True),
+            two_streams=link.flag("two_streams"),
+        ),
+        static_bytes=r.count("static_bytes"),
+        other_ms=r.number("other_ms"),
+        device=r.text("device"),
+    )
+
+
+def plan_from_dict(data: object) -> Plan:
+    """The plan a dict of :func:`plan_to_dict` describes.
+
+    Raises:
+        PlanFileError: If a field is missing or wrong (the message names it), the
+            format or version is not this one, or the choices do not match the layers.
+
+    Example:
+        >>> plan = Plan((Choice.OFFLOAD, Choice.KEEP), 100, 3.0, 90)
+        >>> plan_from_dict(plan_to_dict(plan)) == plan
+        True
+    """
+    r = _Reader(data, "plan")
+    if r.text("format") != FORMAT:
+        raise PlanFileError(f"plan.format must be {FORMAT!r}, got {r.data['format']!r}")
+    version = r.count("version")
+    if version != VERSION:
+        raise PlanFileError(
+            f"plan.version {version} is not supported (this version of cpu-offload reads "
+            f"version {VERSION}); make the plan again"
+        )
+    n = r.count("num_layers")
+    raw = r.listing("choices")
+    try:
+        choices = check_choices(raw, n)
+    except ValueError as exc:
+        raise PlanFileError(f"plan.{exc}") from None
+    modelled = r.child("modelled")
+    profile = _profile_from(r.child("profile")) if r.data.get("profile") is not None else None
+    if profile is not None and profile.num_layers != n:
+        raise PlanFileError(
+            f"plan.profile.layers has {profile.num_layers} entries, plan.num_layers is {n}"
+        )
+    budget = r.count("budget_bytes")
+    return Plan(
+        choices,
+        budget,
+        modelled.number("step_ms"),
+        modelled.count("peak_bytes"),
+        profile,
+    )
+
+
+def save_plan(plan: Plan, path: str | os.PathLike[str]) -> None:
+    """Write ``plan`` (and its profile, when it has one) to ``path`` as JSON.
+
+    Raises:
+        OSError: If the file cannot be written.
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / "plan.json"
+        >>> save_plan(Plan((Choice.KEEP,), 10, 1.0, 5), path)
+        >>> load_plan(path).choices
+        (<Choice.KEEP: 'keep'>,)
+    """
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(plan_to_dict(plan), fh, indent=2)
+        fh.write("\n")
+
+
+def load_plan(path: str | os.PathLike[str]) -> Plan:
+    """Read a plan :func:`save_plan` wrote.
+
+    Raises:
+        OSError: If the file cannot be read.
+        PlanFileError: If it is not JSON, or a field is missing or wrong (named, with
+            the file's path).
+    """
+    with open(path, encoding="utf-8") as fh:
+        text = fh.read()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PlanFileError(f"{os.fspath(path)}: not JSON ({exc})") from None
+    try:
+        return plan_from_dict(data)
+    except PlanFileError as exc:
+        raise PlanFileError(f"{os.fspath(path)}: {exc}") from None

@@ -1,0 +1,377 @@
+"""Step time and peak memory of a per-layer plan: keep, offload or recompute each layer.
+
+The model replays one training step on three lanes: the compute stream, and the
+device-to-host and host-to-device copies (one copy stream shared by both directions,
+or one stream per direction sharing the link's duplex bandwidth). Offloaded layers
+follow the schedule :func:`offload_schedule` builds: the memory bound of the default
+schedule (at most as many layers' activations on the device as there are layers not
+offloaded) holds, and compute waits for an offload to finish where the schedule
+releases its memory. Recomputed layers keep their input from their forward to their
+backward, where their forward runs again just before their backward.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .._layer_stack import offload_schedule as layer_stack_schedule
+from ..v2.schedule import Point, Schedule, SyncDict, validate_synchronization_dict
+
+__all__ = [
+    "Choice",
+    "Estimate",
+    "LayerCost",
+    "Link",
+    "Profile",
+    "check_choices",
+    "estimate",
+    "offload_schedule",
+]
+
+
+class Choice(str, enum.Enum):
+    """What a plan does with one layer's saved activations."""
+
+    KEEP = "keep"
+    OFFLOAD = "offload"
+    RECOMPUTE = "recompute"
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """What one layer costs in one training step.
+
+    Attributes:
+        forward_ms: Forward time.
+        backward_ms: Backward time (without recomputation).
+        saved_bytes: Bytes the layer keeps for backward (distinct storages, no parameters).
+        offload_bytes: The part of ``saved_bytes`` offloading moves (above the threshold).
+        input_bytes: The layer's input, what a recomputed layer keeps until its backward.
+        recompute_ms: Forward time when recomputed in backward (``forward_ms`` if None).
+        workspace_bytes: Temporary memory at the peak of the layer's forward or backward,
+            beyond what it saves.
+    """
+
+    forward_ms: float
+    backward_ms: float
+    saved_bytes: int
+    offload_bytes: int
+    input_bytes: int
+    recompute_ms: float | None = None
+    workspace_bytes: int = 0
+
+    @property
+    def rerun_ms(self) -> float:
+        """Time of the recomputation in backward."""
+        return self.forward_ms if self.recompute_ms is None else self.recompute_ms
+
+    @property
+    def recompute_alloc_bytes(self) -> int:
+        """Bytes a recomputation allocates: the saved tensors but the kept input."""
+        return max(self.saved_bytes - self.input_bytes, 0)
+
+
+@dataclass(frozen=True)
+class Link:
+    """The host link: pinned-copy bandwidth in GB/s.
+
+    Attributes:
+        d2h_gbps: Device to host, alone.
+        h2d_gbps: Host to device, alone.
+        duplex_gbps: Both directions at once, in total (``d2h + h2d`` if None: full duplex).
+        two_streams: Copies in each direction run on their own stream, so that an offload
+            and a reload can overlap; otherwise one stream runs them in the order queued.
+    """
+
+    d2h_gbps: float
+    h2d_gbps: float
+    duplex_gbps: float | None = None
+    two_streams: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("d2h_gbps", "h2d_gbps", "duplex_gbps"):
+            value = getattr(self, name)
+            if value is None and name == "duplex_gbps":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"Link.{name} must be a positive number of GB/s, got {value!r}")
+
+    def rates(self, both: bool) -> tuple[float, float]:
+        """Bytes per ms each direction moves, while the other one is (``both``) busy or not."""
+        d, h = self.d2h_gbps * 1e6, self.h2d_gbps * 1e6
+        if both and self.duplex_gbps is not None:
+            share = min(1.0, self.duplex_gbps / (self.d2h_gbps + self.h2d_gbps))
+            return d * share, h * share
+        return d, h
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What the planner knows of one model, batch and machine.
+
+    Attributes:
+        layers: One cost per layer, in forward order.
+        link: The host link.
+        static_bytes: Device memory allocated when the step starts (parameters, gradients,
+            optimizer state, the batch): the peak is this plus the step's own memory.
+        other_ms: Step time outside the layers (loss, embedding, optimizer).
+        device: Where it was measured, in words.
+    """
+
+    layers: tuple[LayerCost, ...]
+    link: Link
+    static_bytes: int = 0
+    other_ms: float = 0.0
+    device: str = ""
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The model's step time (ms), peak device memory (bytes) and compute stalls (ms)."""
+
+    step_ms: float
+    peak_bytes: int
+    stall_ms: float
+
+
+def check_choices(choices: Sequence[object], num_layers: int) -> tuple[Choice, ...]:
+    """Validate one choice per layer; strings are accepted.
+
+    The last layer cannot be offloaded (no later forward can hide its copy), and with it
+    every layer followed only by offloaded layers: each offloaded layer needs a layer
+    after it that stays on the device, as in the default schedule's ``k <= n - 1``.
+
+    Args:
+        choices: ``"keep"``, ``"offload"`` or ``"recompute"`` (or :class:`Choice`) per layer.
+        num_layers: The model's layers.
+
+    Returns:
+        The choices as :class:`Choice` values.
+
+    Raises:
+        TypeError: If ``choices`` is not a sequence.
+        ValueError: On a wrong length, an unknown choice, or an offloaded last layer.
+
+    Example:
+        >>> check_choices(["offload", "keep"], 2)
+        (<Choice.OFFLOAD: 'offload'>, <Choice.KEEP: 'keep'>)
+    """
+    if isinstance(choices, (str, bytes)) or not isinstance(choices, Sequence):
+        raise TypeError(f"choices must be a sequence of choices, got {type(choices).__name__}")
+    if len(choices) != num_layers:
+        raise ValueError(f"choices has {len(choices)} entries for {num_layers} layers")
+    out = []
+    for i, c in enumerate(choices):
+        try:
+            out.append(Choice(c))
+        except ValueError:
+            allowed = ", ".join(repr(x.value) for x in Choice)
+            raise ValueError(f"choices[{i}] must be one of {allowed}; got {c!r}") from None
+    if out and out[-1] is Choice.OFFLOAD:
+        raise ValueError(
+            f"choices[{num_layers - 1}]: the last layer cannot be offloaded (no later "
+            "forward hides its copy); keep or recompute it"
+        )
+    return tuple(out)
+
+
+def offload_schedule(choices: Sequence[Choice]) -> SyncDict:
+    """The synchronization dict of the offloaded layers of ``choices``.
+
+    The schedule :func:`cpu_offload.offload_layers` gives an explicit set of layers: the
+    default schedule generalized, where the ``i``-th of ``m`` offloaded layers (in
+    forward order) finishes its offload before the forward of layer ``n-m+i`` and starts
+    its reload when the backward of layer ``n-m+i-1`` starts. With the first ``k``
+    layers offloaded this is the default schedule.
+
+    Args:
+        choices: Validated choices (see :func:`check_choices`).
+
+    Returns:
+        Layer id -> ``(offload_fwd, offload_num, reload_fwd, reload_num)``.
+
+    Example:
+        >>> offload_schedule([Choice.OFFLOAD, Choice.RECOMPUTE, Choice.KEEP])
+        {0: (True, 2, False, 1)}
+    """
+    n = len(choices)
+    offloaded = frozenset(j for j, c in enumerate(choices) if c is Choice.OFFLOAD)
+    return validate_synchronization_dict(layer_stack_schedule(offloaded, n), n)
+
+
+#: Bytes left below which a copy counts as done (float rounding of the fluid model).
+_DONE = 0.5
+
+
+class _Copies:
+    """The copy lanes as a fluid model: queued copies progress at the link's rates.
+
+    Each lane is a FIFO of ``[earliest start, bytes left, not before, job]``; with one
+    stream both directions share one FIFO. ``run_until`` advances every lane to a time;
+    ``end_of`` advances until a job is done (compute is stalled meanwhile, so no new copy
+    is queued).
+    """
+
+    def __init__(self, link: Link) -> None:
+        self.link = link
+        self.now = 0.0
+        self.lanes: dict[str, deque[list]] = {"d2h": deque(), "h2d": deque()}
+        self.done: dict[int, float] = {}
+        self._next_job = 0
+
+    def _lane(self, direction: str) -> deque[list]:
+        return self.lanes[direction if self.link.two_streams else "d2h"]
+
+    def queue(self, direction: str, earliest: float, nbytes: int, not_before: float) -> int:
+        job = self._next_job
+        self._next_job += 1
+        self._lane(direction).append([earliest, float(nbytes), not_before, job, direction])
+        return job
+
+    def _step(self, limit: float) -> bool:
+        """Advance to the next event, at most to ``limit``; False when nothing is left to do."""
+        heads = [q[0] for q in self.lanes.values() if q]
+        if not heads:
+            self.now = max(self.now, limit)
+            return False
+        active = [h for h in heads if h[0] <= self.now and h[1] > _DONE]
+        busy_dirs = {h[4] for h in active}
+        d_rate, h_rate = self.link.rates(len(busy_dirs) == 2)
+        events = [limit]
+        for h in heads:
+            if h[0] > self.now:
+                events.append(h[0])
+            elif h[1] > _DONE:
+                rate = d_rate if h[4] == "d2h" else h_rate
+                events.append(self.now + h[1] / rate)
+            else:
+                events.append(max(h[2], self.now))
+        t = min(events)
+        for h in active:
+            rate = d_rate if h[4] == "d2h" else h_rate
+            h[1] = max(h[1] - (t - self.now) * rate, 0.0)
+        self.now = t
+        for q in self.lanes.values():
+            # A copy whose bytes are moved is done once the compute it follows has ended.
+            while q and q[0][0] <= self.now and q[0][1] <= _DONE and q[0][2] <= self.now:
+                self.done[q[0][3]] = self.now
+                q.popleft()
+                if q:
+                    q[0][0] = max(q[0][0], self.now)
+        return True
+
+    def run_until(self, t: float) -> None:
+        while self.now < t:
+            if not self._step(t):
+                break
+
+    def end_of(self, job: int) -> float:
+        while job not in self.done:
+            self._step(float("inf"))
+        return self.done[job]
+
+
+class _Timeline:
+    """Compute-stream time and device memory of the step being replayed."""
+
+    def __init__(self, profile: Profile) -> None:
+        self.t = 0.0
+        self.mem = 0
+        self.peak = 0
+        self.stall = 0.0
+        self.copies = _Copies(profile.link)
+
+    def alloc(self, nbytes: int) -> None:
+        self.mem += nbytes
+        self.peak = max(self.peak, self.mem)
+
+    def free(self, nbytes: int) -> None:
+        self.mem -= nbytes
+
+    def compute(self, ms: float, workspace: int) -> tuple[float, float]:
+        self.peak = max(self.peak, self.mem + workspace)
+        start = self.t
+        self.t += ms
+        return start, self.t
+
+    def wait_for(self, job: int) -> None:
+        self.copies.run_until(self.t)
+        end = self.copies.end_of(job)
+        if end > self.t:
+            self.stall += end - self.t
+            self.t = end
+
+
+def estimate(profile: Profile, choices: Sequence[object]) -> Estimate:
+    """Model one training step of ``profile`` under the per-layer ``choices``.
+
+    Args:
+        profile: Layer costs and the link.
+        choices: One of ``"keep"``, ``"offload"``, ``"recompute"`` per layer.
+
+    Returns:
+        The modelled step time, peak device memory (``profile.static_bytes`` plus the
+        step's) and the time compute waits for copies.
+
+    Raises:
+        ValueError: If the choices are invalid for the profile (see :func:`check_choices`).
+
+    Example:
+        >>> layer = LayerCost(1.0, 2.0, saved_bytes=100, offload_bytes=100, input_bytes=10)
+        >>> profile = Profile((layer,) * 3, Link(d2h_gbps=1e-4, h2d_gbps=1e-4))
+        >>> estimate(profile, ["keep"] * 3)
+        Estimate(step_ms=9.0, peak_bytes=300, stall_ms=0.0)
+        >>> estimate(profile, ["recompute", "keep", "keep"]).step_ms
+        10.0
+    """
+    layers = profile.layers
+    n = len(layers)
+    plan = check_choices(choices, n)
+    schedule = Schedule(offload_schedule(plan))
+    tl = _Timeline(profile)
+    offload_job: dict[int, int] = {}
+    reload_job: dict[int, int] = {}
+
+    def run_point(point: Point) -> None:
+        for i in schedule.finish_at.get(point, ()):
+            tl.wait_for(offload_job[i])
+            tl.free(layers[i].offload_bytes)
+        for i in schedule.reload_at.get(point, ()):
+            tl.copies.run_until(tl.t)
+            tl.alloc(layers[i].offload_bytes)
+            reload_job[i] = tl.copies.queue("h2d", tl.t, layers[i].offload_bytes, 0.0)
+
+    for j, (cost, choice) in enumerate(zip(layers, plan, strict=True)):
+        run_point(Point(True, j))
+        if choice is Choice.RECOMPUTE:
+            # The layer's saved tensors live only during its forward.
+            tl.alloc(cost.input_bytes)
+            tl.compute(cost.forward_ms, cost.recompute_alloc_bytes + cost.workspace_bytes)
+            continue
+        tl.alloc(cost.saved_bytes)
+        start, end = tl.compute(cost.forward_ms, cost.workspace_bytes)
+        if choice is Choice.OFFLOAD:
+            # Each tensor's copy may start once it is saved; the last ends after the layer.
+            tl.copies.run_until(start)
+            offload_job[j] = tl.copies.queue("d2h", start, cost.offload_bytes, end)
+    for j in reversed(range(n)):
+        cost, choice = layers[j], plan[j]
+        run_point(Point(False, j))
+        if choice is Choice.RECOMPUTE:
+            tl.alloc(cost.recompute_alloc_bytes)
+            tl.compute(cost.rerun_ms, cost.workspace_bytes)
+            tl.compute(cost.backward_ms, cost.workspace_bytes)
+            tl.free(cost.recompute_alloc_bytes + cost.input_bytes)
+            continue
+        if choice is Choice.OFFLOAD:
+            tl.wait_for(reload_job[j])
+        tl.compute(cost.backward_ms, cost.workspace_bytes)
+        tl.free(cost.saved_bytes)
+    return Estimate(tl.t + profile.other_ms, profile.static_bytes + tl.peak, tl.stall)

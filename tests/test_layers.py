@@ -1,0 +1,381 @@
+"""offload_layers: one call on real models, bit-identical to no offloading (CPU stand-in)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import warnings
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+import cpu_offload
+from cpu_offload import HostTransport, offload_layers
+from cpu_offload._layer_stack import offload_schedule
+from cpu_offload.v2.schedule import default_synchronization_dict, validate_synchronization_dict
+
+MIN = 256
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(params=["v2", "v1"])
+def backend(request, monkeypatch):
+    monkeypatch.setenv("NVTE_CPU_OFFLOAD_V1", "1" if request.param == "v1" else "0")
+    return request.param
+
+
+def _kwargs(backend: str, transport: HostTransport) -> dict:
+    # min_tensor_size_to_offload is V2-only (V1 offloads what is marked).
+    if backend == "v1":
+        return {"transport": transport}
+    return {"transport": transport, "min_tensor_size_to_offload": MIN}
+
+
+Result = list[tuple[torch.Tensor, list[torch.Tensor]]]
+
+
+def _train(model: nn.Module, batches, loss_fn: Callable[[nn.Module, object], torch.Tensor]):
+    out = []
+    for batch in batches:
+        model.zero_grad(set_to_none=True)
+        loss = loss_fn(model, batch)
+        loss.backward()
+        out.append((loss.detach().clone(), [p.grad.clone() for p in model.parameters()]))
+    return out
+
+
+def _assert_equal(got: Result, want: Result) -> None:
+    assert len(got) == len(want)
+    for (loss, grads), (ref_loss, ref_grads) in zip(got, want, strict=True):
+        assert torch.equal(loss, ref_loss), (loss, ref_loss)
+        assert len(grads) == len(ref_grads)
+        for i, (g, r) in enumerate(zip(grads, ref_grads, strict=True)):
+            assert torch.equal(g, r), f"gradient {i}: max |diff| {(g - r).abs().max()}"
+
+
+def _sequential(n: int = 5, width: int = 64) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(n)])
+
+
+def _batches(count: int, *shape: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randn(*shape, generator=gen) for _ in range(count)]
+
+
+def _square(model, x):
+    return model(x).square().mean()
+
+
+def _check(model, batches, loss_fn, backend, **offload):
+    """Reference, then offloaded, then after remove(): all three bit-identical."""
+    want = _train(model, batches, loss_fn)
+    transport = HostTransport()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # k == n-1 warns
+        handle = offload_layers(model, **offload, **_kwargs(backend, transport))
+    assert handle.backend == (backend if handle.offloaded else None)
+    got = _train(model, batches, loss_fn)
+    _assert_equal(got, want)
+    if handle.offloaded:
+        assert transport.bytes_offloaded > 0, "nothing was offloaded"
+    handle.remove()
+    assert not any("forward" in layer.__dict__ for layer in handle.layers)
+    moved = transport.bytes_offloaded
+    _assert_equal(_train(model, batches, loss_fn), want)
+    assert transport.bytes_offloaded == moved, "offloading continued after remove()"
+    return handle
+
+
+def test_sequential_bit_identical_and_remove_restores(backend):
+    model = _sequential()
+    handle = _check(model, _batches(3, 32, 64), _square, backend, num_offloaded=2)
+    assert handle.num_layers == 5 and handle.offloaded == (0, 1)
+
+
+def test_transformer_encoder_found_by_itself(backend):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
+    handle = _check(model, _batches(2, 2, 32, 64), _square, backend, num_offloaded=2)
+    assert handle.layers == list(model.layers)
+
+
+def _llama(layers: int = 4):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        use_cache=False,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _lm_loss(model, tokens):
+    return model(input_ids=tokens, labels=tokens, use_cache=False).loss
+
+
+def _tokens(count: int = 2) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(2)
+    return [torch.randint(0, 128, (2, 32), generator=gen) for _ in range(count)]
+
+
+def test_llama_whole_model_bit_identical(backend):
+    model = _llama()
+    handle = _check(model, _tokens(), _lm_loss, backend, num_offloaded=2)
+    assert handle.layers == list(model.model.layers)
+
+
+def test_llama_offloaded_and_recomputed_layers():
+    model = _llama()
+    _check(model, _tokens(), _lm_loss, "v2", offloaded=[0, 2], recomputed=[1])
+
+
+def test_explicit_set_under_v2_bit_identical(monkeypatch):
+    monkeypatch.delenv("NVTE_CPU_OFFLOAD_V1", raising=False)
+    model = _sequential(6)
+    _check(model, _batches(2, 32, 64), _square, "v2", offloaded={1, 3, 4})
+
+
+def test_recompute_only_needs_no_context(monkeypatch):
+    monkeypatch.delenv("NVTE_CPU_OFFLOAD_V1", raising=False)
+    model = _sequential(4)
+    want = _train(model, _batches(2, 32, 64), _square)
+    with offload_layers(model, recomputed=[0, 1]) as handle:
+        assert handle.context is None and handle.backend is None
+        assert "forward" in model[0].__dict__ and "forward" not in model[3].__dict__
+        _assert_equal(_train(model, _batches(2, 32, 64), _square), want)
+    assert not handle.active and "forward" not in model[0].__dict__
+
+
+def test_no_grad_evaluation_between_steps(backend):
+    model = _sequential()
+    batches = _batches(3, 32, 64)
+    want = _train(model, batches[:2], _square)
+    with torch.no_grad():
+        want_eval = model(batches[2])
+    transport = HostTransport()
+    with offload_layers(model, num_offloaded=2, **_kwargs(backend, transport)):
+        got = _train(model, batches[:1], _square)
+        moved = transport.bytes_offloaded
+        with torch.no_grad():
+            assert torch.equal(model(batches[2]), want_eval)
+        assert transport.bytes_offloaded == moved, "evaluation offloaded something"
+        got += _train(model, batches[1:2], _square)
+    _assert_equal(got, want)
+
+
+def test_gradient_accumulation(backend):
+    model = _sequential()
+    micro = _batches(3, 16, 64)
+
+    def accumulate():
+        model.zero_grad(set_to_none=True)
+        losses = []
+        for x in micro:
+            loss = _square(model, x) / len(micro)
+            loss.backward()
+            losses.append(loss.detach())
+        return [(torch.stack(losses), [p.grad.clone() for p in model.parameters()])]
+
+    want = accumulate() + accumulate()
+    with offload_layers(model, num_offloaded=2, **_kwargs(backend, HostTransport())):
+        got = accumulate() + accumulate()
+    _assert_equal(got, want)
+
+
+@dataclasses.dataclass
+class _Out:
+    hidden: torch.Tensor
+    aux: torch.Tensor
+
+
+class _TupleLayer(nn.Module):
+    """Takes keyword arguments and returns a tuple, a list or a dataclass."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.linear = nn.Linear(64, 64)
+
+    def forward(self, x, *, scale: torch.Tensor, mask: torch.Tensor | None = None):
+        h = torch.tanh(self.linear(x)) * scale
+        if mask is not None:
+            h = h * mask
+        aux = h.sum()
+        if self.kind == "tuple":
+            return h, aux
+        if self.kind == "list":
+            return [h, aux]
+        return _Out(h, aux)
+
+
+class _TupleModel(nn.Module):
+    def __init__(self, kinds: list[str]) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(_TupleLayer(k) for k in kinds)
+        self.scale = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x):
+        mask = (x > -1).to(x.dtype)
+        aux = 0.0
+        for layer in self.layers:
+            out = layer(x, scale=self.scale, mask=mask)
+            x, a = (out.hidden, out.aux) if isinstance(out, _Out) else out
+            aux = aux + a
+        return x.square().mean() + 1e-3 * aux
+
+
+def test_tuple_list_dataclass_outputs_and_keyword_arguments(backend):
+    model = _TupleModel(["tuple", "dataclass", "list", "tuple"])
+    _check(model, _batches(2, 16, 64), lambda m, x: m(x), backend, num_offloaded=2)
+
+
+def test_huggingface_model_output_is_synced():
+    transformers = pytest.importorskip("transformers")
+
+    class _Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(64, 64)
+
+        def forward(self, x):
+            return transformers.modeling_outputs.BaseModelOutput(
+                last_hidden_state=torch.relu(self.linear(x))
+            )
+
+    torch.manual_seed(0)
+    layers = nn.ModuleList(_Layer() for _ in range(3))
+
+    def loss_fn(model, x):
+        for layer in model:
+            x = layer(x).last_hidden_state
+        return x.square().mean()
+
+    _check(layers, _batches(2, 16, 64), loss_fn, "v2", num_offloaded=1)
+
+
+def test_failed_step_then_training_continues_exactly(backend):
+    model = _sequential()
+    batches = _batches(2, 32, 64)
+    want = _train(model, batches, _square)
+
+    def fail(module, args):
+        raise RuntimeError("out of memory (simulated)")
+
+    with offload_layers(model, num_offloaded=2, **_kwargs(backend, HostTransport())):
+        # A forward that stops between two layers: layer 3 never runs.
+        hook = model[3].register_forward_pre_hook(fail)
+        with pytest.raises(RuntimeError, match="simulated"):
+            model(batches[0])
+        hook.remove()
+        got = _train(model, batches, _square)
+    _assert_equal(got, want)
+
+
+def test_bad_output_type_is_a_clear_error_and_recovers(monkeypatch):
+    monkeypatch.delenv("NVTE_CPU_OFFLOAD_V1", raising=False)
+
+    class _DictLayer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return {"h": self.linear(x)}
+
+    layers = nn.ModuleList(_DictLayer() for _ in range(2))
+    offload_layers(layers, num_offloaded=1, transport=HostTransport())
+    with pytest.raises(TypeError, match="layer 0 returned a dict"):
+        layers[0](torch.randn(2, 8))
+
+
+def test_errors_name_the_argument(monkeypatch):
+    monkeypatch.delenv("NVTE_CPU_OFFLOAD_V1", raising=False)
+    model = _sequential(4)
+    with pytest.raises(ValueError, match="not both"):
+        offload_layers(model, 1, offloaded=[0])
+    with pytest.raises(ValueError, match="both offloaded and recomputed"):
+        offload_layers(model, 2, recomputed=[1, 2])
+    with pytest.raises(ValueError, match="offloaded: layer index 4 is out of range"):
+        offload_layers(model, offloaded=[4])
+    with pytest.raises(TypeError, match="recomputed must hold ints"):
+        offload_layers(model, recomputed=["0"])
+    with pytest.raises(ValueError, match="num_offloaded must be in"):
+        offload_layers(model, 5)
+    with pytest.raises(ValueError, match="at least one layer"):
+        offload_layers(model, 4)
+    with pytest.raises(ValueError, match="nothing to do"):
+        offload_layers(model)
+    with pytest.raises(TypeError, match="sets model_layers, num_layers itself"):
+        offload_layers(model, 1, num_layers=2, model_layers=4)
+    with pytest.raises(ValueError, match="could not find the layer stack of Linear"):
+        offload_layers(nn.Linear(2, 2), 1)
+    with pytest.raises(TypeError, match="entry 1 of the layer sequence"):
+        offload_layers([nn.Linear(2, 2), "x"], 1)
+    with pytest.raises(ValueError, match="the same module appears twice"):
+        offload_layers([model[0], model[0]], 1)
+    handle = offload_layers(model, 1, transport=HostTransport())
+    with pytest.raises(ValueError, match="already wrapped"):
+        offload_layers(model, 1)
+    handle.remove()
+    handle.remove()  # a second remove does nothing
+
+
+def test_v1_refuses_a_set_that_is_not_the_first_layers(monkeypatch):
+    monkeypatch.setenv("NVTE_CPU_OFFLOAD_V1", "1")
+    with pytest.raises(ValueError, match="V1 backend .* offloads only the first k layers"):
+        offload_layers(_sequential(4), offloaded=[1, 2])
+    # The first k, given as a set, are fine.
+    offload_layers(_sequential(4), offloaded=[1, 0], transport=HostTransport()).remove()
+
+
+def test_remove_refuses_to_drop_a_later_wrapper(monkeypatch):
+    monkeypatch.delenv("NVTE_CPU_OFFLOAD_V1", raising=False)
+    model = _sequential(3)
+    handle = offload_layers(model, 1, transport=HostTransport())
+    model[1].forward = lambda x: x
+    with pytest.raises(RuntimeError, match="was replaced after offload_layers wrapped it"):
+        handle.remove()
+
+
+def test_a_layer_with_its_own_forward_attribute_gets_it_back(monkeypatch):
+    monkeypatch.delenv("NVTE_CPU_OFFLOAD_V1", raising=False)
+    model = _sequential(3)
+    own = model[0].forward
+    model[0].forward = own  # an instance attribute already there (another library's)
+    handle = offload_layers(model, 1, transport=HostTransport())
+    handle.remove()
+    assert model[0].__dict__["forward"] is own
+
+
+def test_offload_schedule_extends_the_default_rule():
+    for n in range(1, 7):
+        for k in range(n):
+            assert offload_schedule(frozenset(range(k)), n) == default_synchronization_dict(k, n)
+        for m in range(1, n):
+            for subset in itertools.combinations(range(n), m):
+                schedule = offload_schedule(frozenset(subset), n)
+                assert validate_synchronization_dict(schedule, n) == schedule
+
+
+def test_exported_from_the_package():
+    assert cpu_offload.offload_layers is offload_layers
+    assert "offload_layers" in cpu_offload.__all__

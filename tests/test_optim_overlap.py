@@ -1,0 +1,279 @@
+"""``overlap_host_step_with_forward``: host steps that finish under the next forward.
+
+With the option, ``step()`` returns while the host still steps the offloaded
+parameters; the next forward waits for each parameter in its module's forward
+pre-hook. These tests check that nothing reads a stale value: after 10 steps with two
+param groups, an LR scheduler, gradient clipping and gradient accumulation, parameters
+are bit-identical to the same optimizer without the option; reads through
+``state_dict()`` (the optimizer's and the model's) and ``synchronize()`` right after
+``step()`` see the new values; checkpoints resume exactly; a read outside the
+parameter's module fails loudly. CPU tests treat CPU tensors as device parameters (the
+host-step thread and the hooks run as on a GPU, copies are synchronous); ``cuda`` tests
+run the real path::
+
+    CUBLAS_WORKSPACE_CONFIG=:4096:8 PYTHONPATH=src python -m pytest tests/test_optim_overlap.py -m cuda -q
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+from typing import Any
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from cpu_offload.optim import HybridDeviceOptimizer
+
+WIDTH = 32
+
+
+def _every_param(param: torch.Tensor) -> bool:
+    return True
+
+
+def _model(device: str, dtype: torch.dtype) -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers = [
+        torch.nn.TransformerEncoderLayer(WIDTH, 4, 2 * WIDTH, dropout=0.0, batch_first=True)
+        for _ in range(2)
+    ]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(WIDTH, 8)).to(device=device, dtype=dtype)
+
+
+def _groups(model: torch.nn.Module) -> list[dict[str, Any]]:
+    params = list(model.parameters())
+    half = len(params) // 2
+    return [
+        {"params": params[:half]},
+        {"params": params[half:], "lr": 3e-3, "weight_decay": 0.0},
+    ]
+
+
+def _kwargs(device: str, fraction: float, **extra: Any) -> dict[str, Any]:
+    kw: dict[str, Any] = {
+        "offload_fraction": fraction,
+        "param_update_in_fp32": True,
+        "lr": 1e-3,
+        "weight_decay": 0.01,
+        **extra,
+    }
+    if device == "cpu":
+        kw["is_device_param"] = _every_param
+    return kw
+
+
+def _batches(device: str, dtype: torch.dtype, n: int) -> list[torch.Tensor]:
+    gen = torch.Generator(device=device).manual_seed(1)
+    return [torch.randn(4, 6, WIDTH, device=device, generator=gen).to(dtype) for _ in range(n)]
+
+
+def _train(
+    model: torch.nn.Module,
+    opt: HybridDeviceOptimizer,
+    batches: list[torch.Tensor],
+    micro: int = 2,
+    clip: bool = True,
+) -> None:
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
+    # The math attention kernel: deterministic on every device.
+    with sdpa_kernel(SDPBackend.MATH):
+        _steps(model, opt, sched, batches, micro, clip)
+
+
+def _steps(
+    model: torch.nn.Module,
+    opt: HybridDeviceOptimizer,
+    sched: Any,
+    batches: list[torch.Tensor],
+    micro: int,
+    clip: bool,
+) -> None:
+    for i in range(0, len(batches), micro):
+        for x in batches[i : i + micro]:  # gradient accumulation
+            (model(x).float().square().mean() / micro).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+
+
+def _equal(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    for (name, x), y in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert torch.equal(x, y), name
+
+
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("cuda", id="cuda", marks=pytest.mark.cuda),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fraction", [0.25, 0.5, 1.0])
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
+@pytest.mark.parametrize("last", [False, True], ids=["prefix", "suffix"])
+def test_bit_identical_to_the_optimizer_without_the_option(
+    deterministic: None, device: str, fraction: float, overlap: bool, last: bool
+) -> None:
+    dtype = torch.bfloat16
+    model = _model(device, dtype)
+    ref = copy.deepcopy(model)
+    extra = {"overlap_cpu_optimizer_d2h_h2d": overlap, "offload_last_layers": last}
+    opt = HybridDeviceOptimizer(
+        _groups(model), overlap_host_step_with_forward=True, **_kwargs(device, fraction, **extra)
+    )
+    plain = HybridDeviceOptimizer(_groups(ref), **_kwargs(device, fraction, **extra))
+    assert opt.offload_mask == plain.offload_mask and any(opt.offload_mask)
+    if last and fraction < 1:
+        assert opt.offload_mask[-1] and not opt.offload_mask[0]
+    batches = _batches(device, dtype, 20)
+    _train(model, opt, batches)
+    _train(ref, plain, batches)
+    opt.synchronize()
+    _equal(model, ref)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("read", ["synchronize", "opt_state_dict", "model_state_dict"])
+def test_reads_right_after_step_see_the_new_values(
+    deterministic: None, device: str, read: str
+) -> None:
+    model = _model(device, torch.float32)
+    ref = copy.deepcopy(model)
+    opt = HybridDeviceOptimizer(
+        model.parameters(), overlap_host_step_with_forward=True, **_kwargs(device, 1.0)
+    )
+    plain = HybridDeviceOptimizer(ref.parameters(), **_kwargs(device, 1.0))
+    batches = _batches(device, torch.float32, 6)
+    _train(model, opt, batches[:4], clip=False)
+    _train(ref, plain, batches[:4], clip=False)
+    with sdpa_kernel(SDPBackend.MATH):
+        for m, o in ((model, opt), (ref, plain)):
+            m(batches[4]).square().mean().backward()
+            o.step()
+    # Read at once, before any forward could have waited for the parameters.
+    if read == "synchronize":
+        opt.synchronize()
+        got = [p.detach().clone() for p in model.parameters()]
+    elif read == "opt_state_dict":
+        state = opt.state_dict()
+        got = [p.detach().clone() for p in model.parameters()]
+        assert all(float(s["step"]) == 3.0 for s in state["state"].values())
+    else:
+        got = [t.clone() for t in model.state_dict().values()]
+    want = [p.detach() for p in ref.parameters()]
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+
+
+def _roundtrip(obj: Any) -> Any:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_checkpoint_resume_is_exact(deterministic: None, device: str, fraction: float) -> None:
+    kw = _kwargs(device, fraction, overlap_host_step_with_forward=True)
+    model = _model(device, torch.bfloat16)
+    opt = HybridDeviceOptimizer(_groups(model), **kw)
+    batches = _batches(device, torch.bfloat16, 8)
+    _train(model, opt, batches[:4])
+    # The model's state first: it must wait for its parameters as well.
+    checkpoint = _roundtrip({"model": model.state_dict(), "opt": opt.state_dict()})
+    _train(model, opt, batches[4:])
+
+    torch.manual_seed(5)
+    resumed = _model(device, torch.bfloat16)
+    resumed.load_state_dict(checkpoint["model"])
+    opt2 = HybridDeviceOptimizer(_groups(resumed), **kw)
+    opt2.load_state_dict(checkpoint["opt"])
+    _train(resumed, opt2, batches[4:])
+    opt.synchronize()
+    opt2.synchronize()
+    _equal(model, resumed)
+
+
+def test_a_read_outside_any_module_fails_loudly() -> None:
+    torch.manual_seed(0)
+    model, extra = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+    params = [*model.parameters(), *extra.parameters()]
+    opt = HybridDeviceOptimizer(params, overlap_host_step_with_forward=True, **_kwargs("cpu", 1.0))
+    x = torch.randn(2, 8)
+
+    def loss() -> torch.Tensor:
+        # extra's weight is read by the training loop itself, never by a module.
+        return torch.nn.functional.linear(model(x), extra.weight).sum()
+
+    loss().backward()
+    opt.step()
+    opt.zero_grad()
+    with pytest.raises(RuntimeError, match="synchronize"):
+        loss().backward()
+    # After an explicit synchronize() the same read is fine.
+    opt.zero_grad()
+    opt.synchronize()
+    loss().backward()
+    opt.step()
+    opt.synchronize()
+
+
+class _FailingAdamW(torch.optim.AdamW):
+    calls = 0
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        _FailingAdamW.calls += 1
+        if _FailingAdamW.calls > 1:
+            raise ValueError("host step failed")
+        return super().step(closure)
+
+
+def test_a_failing_host_step_is_reported_not_hung() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    _FailingAdamW.calls = 0
+    opt = HybridDeviceOptimizer(
+        model.parameters(),
+        cpu_optimizer_cls=_FailingAdamW,
+        overlap_host_step_with_forward=True,
+        **_kwargs("cpu", 1.0, overlap_cpu_optimizer_d2h_h2d=False),
+    )
+    x = torch.randn(2, 8)
+    for _ in range(2):
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    with pytest.raises(RuntimeError, match="host optimizer step") as info:
+        model(x)
+    assert isinstance(info.value.__cause__, ValueError)
+    opt.synchronize()  # the failure was reported once; nothing is pending any more
+
+
+def test_option_is_checked_and_off_by_default() -> None:
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(TypeError, match="overlap_host_step_with_forward"):
+        HybridDeviceOptimizer(model.parameters(), overlap_host_step_with_forward="yes")
+    with pytest.raises(TypeError, match="offload_last_layers"):
+        HybridDeviceOptimizer(model.parameters(), offload_last_layers=1)
+    opt = HybridDeviceOptimizer(model.parameters())
+    assert opt.overlap_host_step_with_forward is False and opt.offload_last_layers is False
+
+
+def test_dropped_optimizer_removes_its_global_hook() -> None:
+    import gc
+
+    hooks = torch.nn.modules.module._global_forward_pre_hooks
+    gc.collect()
+    opt = HybridDeviceOptimizer(
+        torch.nn.Linear(4, 4).parameters(), overlap_host_step_with_forward=True
+    )
+    ours = [k for k, h in hooks.items() if getattr(h, "_owner", lambda: None)() is opt._overlap]
+    assert len(ours) == 1
+    del opt
+    gc.collect()
+    assert ours[0] not in hooks

@@ -1,0 +1,172 @@
+"""Profiling a real layer stack and running a plan on it: bit-identical to no offloading.
+
+CPU stand-in: the layers run on the CPU, offloaded tensors go through ``HostTransport``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from cpu_offload import HostTransport, offload_layers
+from cpu_offload.plan import (
+    Choice,
+    Plan,
+    apply_plan,
+    estimate,
+    load_plan,
+    profile_model,
+    save_plan,
+    search,
+)
+
+MIN = 256
+LAYERS = 4
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _encoder() -> nn.TransformerEncoder:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+    return nn.TransformerEncoder(layer, LAYERS, enable_nested_tensor=False)
+
+
+def _batches() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randn(2, 32, 64, generator=gen) for _ in range(2)]
+
+
+def _train(model: nn.Module) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+    out = []
+    for x in _batches():
+        model.zero_grad(set_to_none=True)
+        loss = model(x).square().mean()
+        loss.backward()
+        out.append((loss.detach().clone(), [p.grad.clone() for p in model.parameters()]))
+    return out
+
+
+def _assert_equal(got, want) -> None:  # type: ignore[no-untyped-def]
+    for (loss, grads), (ref_loss, ref_grads) in zip(got, want, strict=True):
+        assert torch.equal(loss, ref_loss)
+        assert len(grads) == len(ref_grads)
+        for g, r in zip(grads, ref_grads, strict=True):
+            assert torch.equal(g, r)
+
+
+def _profile(model: nn.TransformerEncoder):  # type: ignore[no-untyped-def]
+    x = _batches()[0]
+    return profile_model(
+        model, lambda: model(x).square().mean(), steps=1, min_tensor_size_to_offload=MIN
+    )
+
+
+def test_profile_counts_what_the_engine_offloads() -> None:
+    model = _encoder()
+    profile = _profile(model)
+    assert profile.num_layers == LAYERS
+    assert profile.device == "cpu (CPU stand-in)"
+    for cost in profile.layers:
+        assert 0 < cost.offload_bytes <= cost.saved_bytes
+        assert cost.input_bytes == 2 * 32 * 64 * 4
+        assert cost.forward_ms > 0 and cost.backward_ms > 0
+        assert cost.recompute_ms is not None
+    # Offloading layer 0 with the engine moves exactly the bytes the profile counted.
+    transport = HostTransport()
+    x = _batches()[0]
+    with offload_layers(model, 1, transport=transport, min_tensor_size_to_offload=MIN):
+        model(x).square().mean().backward()
+    assert transport.bytes_offloaded == profile.layers[0].offload_bytes
+    # The hooks are gone: the model is as it was.
+    assert not model.layers[0]._forward_hooks and not model.layers[0]._forward_pre_hooks
+
+
+@pytest.mark.parametrize(
+    "letters", ["ORKK", "OOKR", "RRRR", "KKKK", "OKOK", "RORK"], ids=lambda s: s
+)
+def test_apply_is_bit_identical(letters: str) -> None:
+    by_letter = {c.value[0].upper(): c for c in Choice}
+    plan = Plan(tuple(by_letter[c] for c in letters), 1, 0.0, 0)
+    want = _train(_encoder())
+    model = _encoder()
+    transport = HostTransport()
+    handle = apply_plan(model, plan, transport=transport, min_tensor_size_to_offload=MIN)
+    assert handle.offloaded == plan.offloaded and handle.recomputed == plan.recomputed
+    got = _train(model)
+    handle.remove()
+    _assert_equal(got, want)
+    assert (transport.bytes_offloaded > 0) == ("O" in letters)
+
+
+def test_profile_plan_save_load_apply(tmp_path: Path) -> None:
+    model = _encoder()
+    profile = _profile(model)
+    keep_peak = estimate(profile, ["keep"] * LAYERS).peak_bytes
+    plan = search(profile, int(0.6 * keep_peak))
+    assert plan.peak_bytes <= 0.6 * keep_peak
+    assert plan.choices != (Choice.KEEP,) * LAYERS
+    save_plan(plan, tmp_path / "plan.json")
+    loaded = load_plan(tmp_path / "plan.json")
+    assert loaded == plan
+    want = _train(_encoder())
+    fresh = _encoder()
+    with apply_plan(fresh, loaded, transport=HostTransport(), min_tensor_size_to_offload=MIN):
+        got = _train(fresh)
+    _assert_equal(got, want)
+
+
+def test_apply_rejects_a_plan_for_another_model() -> None:
+    plan = Plan((Choice.KEEP,) * 3, 1, 0.0, 0)
+    with pytest.raises(ValueError, match="made for 3 layers, but the model has 4"):
+        apply_plan(_encoder(), plan)
+    with pytest.raises(TypeError, match="plan must be a cpu_offload.plan.Plan"):
+        apply_plan(_encoder(), ["keep"] * 4)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"), [({"steps": 0}, "steps must be an int >= 1"), ({"warmup": -1}, "warmup")]
+)
+def test_profile_bad_arguments(kwargs: dict, match: str) -> None:
+    model = _encoder()
+    with pytest.raises(ValueError, match=match):
+        profile_model(model, lambda: model(_batches()[0]).sum(), **kwargs)
+
+
+def test_profile_step_that_skips_layers() -> None:
+    model = _encoder()
+    x = _batches()[0]
+    with pytest.raises(ValueError, match="did not run every layer"):
+        profile_model(model, lambda: model.layers[0](x).sum(), steps=1, recompute=False)
+
+
+@pytest.mark.parametrize("letters", ["OKRK", "RRKK", "KKKK"])
+def test_compare_plan_variant_is_bit_identical(letters: str) -> None:
+    from cpu_offload.compare.runner import _one_step
+    from cpu_offload.compare.variants import make_variant
+    from cpu_offload.models import ModelSpec, build_layers
+    from cpu_offload.plan.compare import plan_variant
+
+    by_letter = {c.value[0].upper(): c for c in Choice}
+    plan = Plan(tuple(by_letter[c] for c in letters), 1, 0.0, 0)
+    spec = ModelSpec(kind="encoder", hidden=32, heads=2, seq=16, batch=2, layers=4)
+    layers = build_layers(spec, "cpu")
+
+    def make_input() -> torch.Tensor:
+        return spec.make_input("cpu")
+
+    ref = _one_step(make_variant("none", 4, 0, MIN), layers, make_input, False, True)
+    variant = plan_variant(plan)(4, 0, MIN, HostTransport)
+    got = _one_step(variant, layers, make_input, False, True)
+    assert torch.equal(got.loss, ref.loss)
+    assert all(torch.equal(a, b) for a, b in zip(got.grads, ref.grads, strict=True))
+    assert sum(t.bytes_offloaded for t in variant.transports) > 0 or "O" not in letters

@@ -1,0 +1,116 @@
+"""Plans saved as JSON and loaded back; bad files name the wrong field."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from cpu_offload.plan.io import (
+    FORMAT,
+    VERSION,
+    PlanFileError,
+    load_plan,
+    plan_from_dict,
+    plan_to_dict,
+    save_plan,
+)
+from cpu_offload.plan.model import Choice, LayerCost, Link, Profile
+from cpu_offload.plan.search import Plan, search
+
+
+def _plan() -> Plan:
+    layers = (
+        LayerCost(1.0, 2.0, 1000, 900, 100, recompute_ms=1.1, workspace_bytes=50),
+        LayerCost(1.5, 2.5, 2000, 2000, 100),
+        LayerCost(1.0, 2.0, 1000, 900, 100),
+    )
+    profile = Profile(
+        layers, Link(0.001, 0.002, 0.0025, two_streams=True), 77, 0.25, "a test device"
+    )
+    return search(profile, 3000)
+
+
+def test_round_trip_keeps_plan_and_profile(tmp_path: Path) -> None:
+    plan = _plan()
+    path = tmp_path / "plan.json"
+    save_plan(plan, path)
+    loaded = load_plan(path)
+    assert loaded == plan
+    assert loaded.profile == plan.profile
+    data = json.loads(path.read_text())
+    assert (data["format"], data["version"]) == (FORMAT, VERSION)
+    # The profile in the file is enough to plan again for another budget.
+    assert loaded.profile is not None
+    assert search(loaded.profile, 2500) == search(plan.profile, 2500)  # type: ignore[arg-type]
+
+
+def test_round_trip_without_profile() -> None:
+    plan = Plan((Choice.RECOMPUTE, Choice.KEEP), 10, 2.5, 7)
+    data = plan_to_dict(plan)
+    assert "profile" not in data
+    loaded = plan_from_dict(json.loads(json.dumps(data)))
+    assert loaded == plan and loaded.profile is None
+
+
+def _broken(edit) -> dict:  # type: ignore[no-untyped-def]
+    data = copy.deepcopy(plan_to_dict(_plan()))
+    edit(data)
+    return data
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda d: d.pop("version"), "missing field plan.version"),
+        (lambda d: d.update(version=2), "plan.version 2 is not supported"),
+        (lambda d: d.update(format="other"), "plan.format must be 'cpu-offload-plan'"),
+        (lambda d: d.update(choices="keep"), "plan.choices must be a list"),
+        (lambda d: d["choices"].__setitem__(1, "drop"), r"plan.choices\[1\] must be one of"),
+        (lambda d: d.update(num_layers=4), "plan.choices has 3 entries for 4 layers"),
+        (lambda d: d["choices"].__setitem__(2, "offload"), "the last layer cannot be offloaded"),
+        (lambda d: d.update(budget_bytes=-1), "plan.budget_bytes must be an int >= 0"),
+        (lambda d: d["modelled"].update(step_ms="fast"), "plan.modelled.step_ms must be a number"),
+        (
+            lambda d: d["profile"]["layers"][1].update(forward_ms=-1.0),
+            r"plan.profile.layers\[1\].forward_ms must be >= 0",
+        ),
+        (
+            lambda d: d["profile"]["layers"][0].pop("saved_bytes"),
+            r"missing field plan.profile.layers\[0\].saved_bytes",
+        ),
+        (
+            lambda d: d["profile"]["layers"][0].update(offload_bytes=10**6),
+            r"plan.profile.layers\[0\].offload_bytes \(1000000\) must be at most saved_bytes",
+        ),
+        (
+            lambda d: d["profile"]["link"].update(d2h_gbps=0),
+            "plan.profile.link.d2h_gbps must be > 0",
+        ),
+        (
+            lambda d: d["profile"]["link"].update(two_streams="yes"),
+            "plan.profile.link.two_streams must be true or false",
+        ),
+        (lambda d: d["profile"]["layers"].pop(), "plan.profile.layers has 2 entries"),
+    ],
+)
+def test_bad_fields_are_named(edit, match: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(PlanFileError, match=match):
+        plan_from_dict(_broken(edit))
+
+
+def test_not_an_object() -> None:
+    with pytest.raises(PlanFileError, match="plan must be a JSON object, got list"):
+        plan_from_dict([])
+
+
+def test_load_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text("{not json")
+    with pytest.raises(PlanFileError, match="bad.json: not JSON"):
+        load_plan(path)
+    path.write_text(json.dumps({"format": FORMAT}))
+    with pytest.raises(PlanFileError, match="bad.json: missing field plan.version"):
+        load_plan(path)
