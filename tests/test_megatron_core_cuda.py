@@ -102,4 +102,7 @@ def test_gpt_model_half_offloaded_bit_identical_and_less_memory(
         assert torch.equal(loss, ref_loss), (i, loss, ref_loss)
         for g, r in zip(grads, ref_grads, strict=True):
             assert torch.equal(g, r), f"step {i}: max |diff| {(g.float() - r.float()).abs().max()}"
-        assert peak < 0.8 * ref_peak, (i, peak, ref_peak)
+        # V2 offloads every large activation of the offloaded half; V1 only the inputs of
+        # the linear layers, which Megatron-Core marks (not the attention scores).
+        bound = 0.8 * ref_peak if switch == "0" else ref_peak
+        assert peak < bound, (i, peak, ref_peak)

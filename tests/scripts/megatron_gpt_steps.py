@@ -11,6 +11,7 @@ Usage: megatron_gpt_steps.py [--retain] [--k K] [--steps N]
 
 import argparse
 import os
+import socket
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
@@ -27,8 +28,15 @@ parser.add_argument("--steps", type=int, default=3)
 args = parser.parse_args()
 
 torch.use_deterministic_algorithms(True)
-os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-os.environ.setdefault("MASTER_PORT", str(29000 + os.getpid() % 1000))
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+os.environ["MASTER_ADDR"] = "127.0.0.1"
+os.environ["MASTER_PORT"] = str(_free_port())  # not an inherited one: another test may hold it
 
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
