@@ -14,11 +14,11 @@ import torch
 
 from . import v1, v2
 from ._args import check_bool, check_int
-from ._selection import mark_activation_offload, mark_not_offload
-from ._state import is_cpu_offload_enabled, is_current_layer_offloaded
 from ._switch import ENV_VAR, use_v1
-from ._transport import CudaTransport, HostBufferPool, HostTransport, Transport
 from ._warn import warn_at_caller
+from .engine.active import is_cpu_offload_enabled, is_current_layer_offloaded
+from .engine.selection import mark_activation_offload, mark_not_offload
+from .engine.transport import CudaTransport, HostBufferPool, HostTransport, Transport
 from .layers import OffloadedLayers, offload_layers
 from .pipeline import PipelineStageOffload, plan_pipeline_offload
 from .v2 import (

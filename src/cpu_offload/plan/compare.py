@@ -10,8 +10,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .. import v2
-from .._transport import Transport
 from ..compare.variants import Variant
+from ..engine.transport import Transport
 from .model import Choice, offload_schedule
 from .search import Plan
 

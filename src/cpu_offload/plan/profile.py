@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from .._layer_stack import find_layers
-from .._selection import ActivationPolicy
-from .._tensor_group import SavedEntry, TensorGroupProcessor
+from ..engine.selection import ActivationPolicy
+from ..engine.tensor_group import SavedEntry, TensorGroupProcessor
 from ..v2.context import DEFAULT_MIN_TENSOR_SIZE
 from .model import LayerCost, Link, Profile
 

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import contextlib
-from types import TracebackType
 from typing import Any
 
 import torch
 
 from .._args import activations_requested, check_bool, check_int
-from .._selection import ActivationPolicy
-from .._state import ActiveHooks, ContextOwner, active_context
-from .._transport import Transport, resolve_transport
 from .._warn import warn_at_caller
+from ..engine.active import ActiveHooks, active_context
+from ..engine.context import OffloadContextBase
+from ..engine.selection import ActivationPolicy
+from ..engine.transport import Transport, resolve_transport
 from .schedule import (
     check_layer_counts,
     default_synchronization_dict,
@@ -30,7 +30,7 @@ def _identity(tensor: Any) -> Any:
     return tensor
 
 
-class OffloadContext:
+class OffloadContext(OffloadContextBase):
     """Wraps one layer's forward: saved tensors go through the synchronizer's hooks.
 
     Attributes:
@@ -39,13 +39,11 @@ class OffloadContext:
     """
 
     def __init__(self, synchronizer: OffloadSynchronizer) -> None:
+        super().__init__()
         self.offload_synchronizer = synchronizer
-        self.inside_context = False
         self.awaiting_sync = False  # a layer ran and sync_function has not been called
         self._refused = False  # the last __enter__ was refused for a missing sync
         self.layer_id: int | None = None
-        self._hooks: ActiveHooks | None = None
-        self._owner = ContextOwner()
         self._counted = False  # the current `with` block counted a layer
         # Made once and entered per layer: an offloaded layer's tensors go through the
         # synchronizer; any other layer saves its tensors untouched, without hooks.
@@ -59,15 +57,13 @@ class OffloadContext:
         )
 
     def __enter__(self) -> OffloadContext:
-        self._owner.claim(self.awaiting_sync)
-        try:
-            self._enter()
-        except BaseException:
-            self._owner.release()
-            raise
+        super().__enter__()
         return self
 
-    def _enter(self) -> None:
+    def _layer_pending(self) -> bool:
+        return self.awaiting_sync
+
+    def _open(self) -> ActiveHooks:
         if self.awaiting_sync:
             if not self._refused:
                 # Refused once; calling sync_function continues this iteration, while
@@ -84,11 +80,8 @@ class OffloadContext:
             self.offload_synchronizer.start_new_iteration()
         if not torch.is_grad_enabled():
             # Nothing is saved for backward: no layer is counted (evaluation loops).
-            self._plain_hooks.__enter__()
-            self._hooks = self._plain_hooks
             self._counted = False
-            self.inside_context = True
-            return
+            return self._plain_hooks
         sync = self.offload_synchronizer
         try:
             layer = sync.fwd_step()
@@ -99,27 +92,14 @@ class OffloadContext:
         if self._hooks_of is not sync:  # offload_synchronizer was replaced
             self._offload_hooks = ActiveHooks(self, sync.pack_hook, sync.pop_tensor)
             self._hooks_of = sync
-        hooks = self._offload_hooks if sync.is_layer_offloaded(layer) else self._plain_hooks
-        hooks.__enter__()  # last step: nothing after it can fail
-        self._hooks = hooks
+        # Nothing below can fail: the base class enters the hooks next.
         self._counted = True
         self.layer_id = layer
         self.awaiting_sync = True
-        self.inside_context = True
+        return self._offload_hooks if sync.is_layer_offloaded(layer) else self._plain_hooks
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.inside_context = False
-        self._owner.release()
-        hooks, self._hooks = self._hooks, None
-        if hooks is None:
-            return
-        hooks.__exit__(exc_type, exc, tb)
-        if exc_type is not None and self._counted:
+    def _abort(self) -> None:
+        if self._counted:
             # A failed layer (out of memory, say) ends the iteration: its buffers go,
             # and training that skips the batch continues exactly.
             self.awaiting_sync = False

@@ -14,10 +14,10 @@ import torch
 
 from .._args import check_bool, check_int
 from .._compat import capture_buffer_policy, queue_backward_callback
-from .._tensor_group import TensorGroupProcessor
-from .._transport import Transport, resolve_transport
 from .._warn import warn_at_caller
-from .layer_state import LayerPhase, OffloadableLayerState
+from ..engine.layer_state import LayerPhase, OffloadableLayerState
+from ..engine.tensor_group import TensorGroupProcessor
+from ..engine.transport import Transport, resolve_transport
 from .schedule import (
     Point,
     Schedule,

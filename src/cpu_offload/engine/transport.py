@@ -22,60 +22,15 @@ from dataclasses import dataclass
 
 import torch
 
+from .layout import TensorLayout
+
 __all__ = [
     "CudaTransport",
     "HostBufferPool",
     "HostTransport",
-    "TensorLayout",
     "TimedSpan",
     "Transport",
 ]
-
-
-@dataclass(frozen=True)
-class TensorLayout:
-    """Size, strides and dtype of a dense (non-overlapping) tensor."""
-
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: torch.dtype
-
-    @classmethod
-    def of(cls, tensor: torch.Tensor) -> TensorLayout:
-        return cls(tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for s in self.size:
-            n *= s
-        return n
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * _itemsize(self.dtype)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return dtype.itemsize
-
-
-def is_dense(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor``'s elements fill a contiguous block of memory without overlap.
-
-    True for contiguous tensors and for permutations of contiguous tensors (the layouts
-    attention kernels allocate), so that a buffer with the same strides holds exactly
-    ``numel`` elements and a straight memory copy moves it.
-    """
-    expected = 1
-    dims = sorted(
-        ((st, sz) for st, sz in zip(tensor.stride(), tensor.shape, strict=True) if sz != 1),
-    )
-    for st, sz in dims:
-        if st != expected:
-            return False
-        expected *= sz
-    return True
 
 
 class HostBufferPool:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cpu_offload import HostBufferPool, HostTransport
-from cpu_offload._transport import TensorLayout
+from cpu_offload.engine.layout import TensorLayout
 
 
 class _FailingTransport(HostTransport):

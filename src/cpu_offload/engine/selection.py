@@ -1,4 +1,5 @@
-"""Which saved tensors are offloaded: the marks users set and the selection policies.
+"""Which saved tensors are offloaded: the marks users set, the selection policies, and
+which memory layouts can be copied whole and rebuilt exactly (:func:`is_dense`).
 
 Marks are attributes on tensors, so that they travel with the tensor into autograd's
 saved-tensor hooks:
@@ -15,10 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ._compat import is_fake_or_functional
+from .._compat import is_fake_or_functional
 
 __all__ = [
     "ActivationPolicy",
+    "is_dense",
     "is_marked_for_offload",
     "is_marked_not_offload",
     "mark_activation_offload",
@@ -177,3 +179,21 @@ def is_marked_for_offload(tensor: torch.Tensor) -> bool:
         tensor._base is not None and getattr(tensor._base, _ACTIVATION_ATTR, False)
     )
     return bool(marked) and not _never_offloaded(tensor)
+
+
+def is_dense(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s elements fill a contiguous block of memory without overlap.
+
+    True for contiguous tensors and for permutations of contiguous tensors (the layouts
+    attention kernels allocate), so that a buffer with the same strides holds exactly
+    ``numel`` elements and a straight memory copy moves it.
+    """
+    expected = 1
+    dims = sorted(
+        ((st, sz) for st, sz in zip(tensor.stride(), tensor.shape, strict=True) if sz != 1),
+    )
+    for st, sz in dims:
+        if st != expected:
+            return False
+        expected *= sz
+    return True

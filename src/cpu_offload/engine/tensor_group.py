@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._transport import TensorLayout, is_dense
-from ._warn import warn_at_caller
+from .._warn import warn_at_caller
+from .layout import TensorLayout
+from .selection import is_dense
 
 __all__ = ["GroupPlan", "SavedEntry", "TensorGroupProcessor", "Unit"]
 

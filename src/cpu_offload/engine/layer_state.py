@@ -9,13 +9,9 @@ from collections.abc import Callable, Hashable, Iterable
 import torch
 
 from .._compat import pinned_alloc_in_capture_supported
-from .._tensor_group import GroupPlan, SavedEntry, TensorGroupProcessor, Unit
-from .._transport import (
-    HostBufferPool,
-    TensorLayout,
-    Transport,
-    resolve_transport,
-)
+from .layout import TensorLayout
+from .tensor_group import GroupPlan, SavedEntry, TensorGroupProcessor, Unit
+from .transport import HostBufferPool, Transport, resolve_transport
 
 __all__ = ["LayerPhase", "OffloadableLayerState"]
 
