@@ -151,22 +151,36 @@ def test_profile_step_that_skips_layers() -> None:
 
 @pytest.mark.parametrize("letters", ["OKRK", "RRKK", "KKKK"])
 def test_compare_plan_variant_is_bit_identical(letters: str) -> None:
-    from cpu_offload.compare.runner import _one_step
+    from cpu_offload.compare._step import Installed, one_step
     from cpu_offload.compare.variants import make_variant
-    from cpu_offload.models import ModelSpec, build_layers
+    from cpu_offload.compare.workload import spec_workload
+    from cpu_offload.models import ModelSpec
     from cpu_offload.plan.compare import plan_variant
 
     by_letter = {c.value[0].upper(): c for c in Choice}
     plan = Plan(tuple(by_letter[c] for c in letters), 1, 0.0, 0)
     spec = ModelSpec(kind="encoder", hidden=32, heads=2, seq=16, batch=2, layers=4)
-    layers = build_layers(spec, "cpu")
+    workload = spec_workload(spec, "cpu")
 
-    def make_input() -> torch.Tensor:
-        return spec.make_input("cpu")
+    def run(variant):  # type: ignore[no-untyped-def]
+        installed = Installed(variant, workload)
+        try:
+            return one_step(installed, record=False, keep_grads=True)
+        finally:
+            installed.remove()
 
-    ref = _one_step(make_variant("none", 4, 0, MIN), layers, make_input, False, True)
+    ref = run(make_variant("none", 4, 0, MIN))
     variant = plan_variant(plan)(4, 0, MIN, HostTransport)
-    got = _one_step(variant, layers, make_input, False, True)
+    assert variant.offloaded_layers == plan.offloaded
+    assert variant.recomputed_layers == plan.recomputed
+    got = run(variant)
     assert torch.equal(got.loss, ref.loss)
     assert all(torch.equal(a, b) for a, b in zip(got.grads, ref.grads, strict=True))
-    assert sum(t.bytes_offloaded for t in variant.transports) > 0 or "O" not in letters
+    assert (sum(t.bytes_offloaded for t in variant.transports) > 0) == ("O" in letters)
+
+
+def test_plan_variant_rejects_a_plan_for_another_model() -> None:
+    from cpu_offload.plan.compare import PlanVariant
+
+    with pytest.raises(ValueError, match="made for 3 layers, but the model has 4"):
+        PlanVariant(4, 0, MIN, plan=Plan((Choice.KEEP,) * 3, 1, 0.0, 0))

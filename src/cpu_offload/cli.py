@@ -8,6 +8,12 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from .compare.workload import Workload
 
 __all__ = ["main"]
 
@@ -66,7 +72,6 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     """The ``cpu-offload`` parser and its ``compare`` subparser."""
     from . import __version__
     from .compare.variants import VARIANTS
-    from .models import MODEL_KINDS
 
     parser = argparse.ArgumentParser(
         prog="cpu-offload",
@@ -104,16 +109,7 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         metavar="section.key=value",
         help="Megatron Bridge overrides (see below)",
     )
-    c.add_argument(
-        "--model",
-        default="gpt",
-        metavar="MODEL",
-        help=f"a built-in layer kind ({', '.join(MODEL_KINDS)}); package.module:factory, "
-        "a function returning (model, make_batch[, loss_fn]), called with those of device, "
-        "dtype, seq and batch it accepts; or hf:PATH/config.json, a transformers causal "
-        "LM built from a config with random weights (pip install 'cpu-offload[hf]'). "
-        "The optimizer section runs on the built-in kinds only. (default: gpt)",
-    )
+    add_model_option(c, "The optimizer section runs on the built-in kinds only.")
     c.add_argument(
         "--hidden",
         type=_positive("--hidden"),
@@ -202,11 +198,33 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         type=_output_path("--plot"),
         help="draw the timeline of one step and memory (needs matplotlib; its folder must exist)",
     )
+    c.add_argument(
+        "--plan",
+        metavar="PLAN.json",
+        help="add a row 'plan' that runs this per-layer plan (saved by cpu-offload plan "
+        "--save for the same model and number of layers)",
+    )
     c.add_argument("--quiet", action="store_true", help="no progress lines")
     from .plan.cli import add_plan_parser
 
     add_plan_parser(sub)
     return parser, c
+
+
+def add_model_option(parser: argparse.ArgumentParser, note: str = "") -> None:
+    """Add ``--model`` (a built-in kind, ``package.module:factory`` or ``hf:PATH``)."""
+    from .models import MODEL_KINDS
+
+    parser.add_argument(
+        "--model",
+        default="gpt",
+        metavar="MODEL",
+        help=f"a built-in layer kind ({', '.join(MODEL_KINDS)}); package.module:factory, "
+        "a function returning (model, make_batch[, loss_fn]), called with those of device, "
+        "dtype, seq and batch it accepts; or hf:PATH/config.json, a transformers causal "
+        "LM built from a config with random weights (pip install 'cpu-offload[hf]'). "
+        f"{note + ' ' if note else ''}(default: gpt)",
+    )
 
 
 def _check_plot(parser: argparse.ArgumentParser, wanted: bool) -> None:
@@ -246,6 +264,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     overrides = [*args.overrides, *extra]
     _check_plot(compare_parser, bool(args.plot))
+    if args.plan and not Path(args.plan).is_file():
+        # Before the model is built: a wrong path is reported at once.
+        compare_parser.error(f"--plan {args.plan!r}: no such file")
     # Deterministic cuBLAS needs this before CUDA starts, hence before anything else.
     if not args.no_deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -255,7 +276,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .compare.report import format_table, write_json, write_plot
     from .compare.runner import CompareConfig, run_compare
     from .compare.variants import VARIANTS
-    from .compare.workload import Workload
     from .models import MODEL_KINDS, ModelSpec
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -266,30 +286,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         parser.error(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
-    builtin = args.model in MODEL_KINDS
-    if not builtin and ":" not in args.model:
+    if args.optimizer_only and args.model not in MODEL_KINDS:
         compare_parser.error(
-            f"--model {args.model!r}: choose a built-in kind ({', '.join(MODEL_KINDS)}), "
-            "package.module:factory or hf:PATH/config.json"
+            "--optimizer-only: the optimizer section runs on the built-in kinds only"
         )
-    if not builtin:
-        given = [o for o in ("hidden", "heads") if getattr(args, o) is not None]
-        if given:
-            compare_parser.error(
-                f"--{given[0]} applies to the built-in kinds only; {args.model} sets its own"
-            )
-        if args.layers is not None and not args.model.startswith("hf:"):
-            compare_parser.error("--layers applies to the built-in kinds and hf: models only")
-        if args.optimizer_only:
-            compare_parser.error(
-                "--optimizer-only: the optimizer section runs on the built-in kinds only"
-            )
     dtype = getattr(torch, _DTYPES[args.dtype or ("bf16" if gpu else "fp32")])
     seq = args.seq or (2048 if gpu else 128)
     batch = args.batch or (2 if gpu else 4)
-    workload: Workload | None = None
-    if not builtin:
-        workload = _user_workload(compare_parser, args, device, dtype, seq, batch)
+    workload = model_workload(compare_parser, args, device, dtype)
+    builtin = workload is None
     try:
         selection = select_from_overrides(
             overrides,
@@ -319,6 +324,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         min_numel = 256 * 1024 if gpu else (8 * 1024 if builtin else 1024)
     if min_numel < 0:
         parser.error("--min-tensor-size must be >= 0")
+    plan = None
+    if args.plan:
+        plan = _load_plan(compare_parser, args, selection)
     warmup = args.warmup if args.warmup is not None else (2 if gpu else 1)
     if warmup < 0:
         parser.error("--warmup must be >= 0")
@@ -338,6 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         activation=selection.activation,
         optimizer=selection.optimizer,
         workload=workload,
+        plan=plan,
     )
 
     def progress(msg: str) -> None:
@@ -359,16 +368,58 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _user_workload(parser, args, device, dtype, seq, batch):  # type: ignore[no-untyped-def]
-    """The workload of ``--model package.module:factory`` or ``--model hf:PATH``."""
-    from .compare.workload import factory_workload, hf_workload
+def model_workload(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, device: str, dtype: torch.dtype
+) -> Workload | None:
+    """The workload ``--model`` names, or None for a built-in layer kind.
 
+    ``--model package.module:factory`` calls the factory (with those of device, dtype,
+    ``--seq`` and ``--batch`` it accepts); ``--model hf:PATH/config.json`` builds a
+    ``transformers`` model (``--seq``, ``--batch`` and ``--layers`` apply). Bad input
+    exits with status 2 and a message naming the option.
+    """
+    from .compare.workload import factory_workload, hf_workload
+    from .models import MODEL_KINDS
+
+    if args.model in MODEL_KINDS:
+        return None
+    if ":" not in args.model:
+        parser.error(
+            f"--model {args.model!r}: choose a built-in kind ({', '.join(MODEL_KINDS)}), "
+            "package.module:factory or hf:PATH/config.json"
+        )
+    given = [o for o in ("hidden", "heads") if getattr(args, o) is not None]
+    if given:
+        parser.error(f"--{given[0]} applies to the built-in kinds only; {args.model} sets its own")
+    hf = args.model.startswith("hf:")
+    if args.layers is not None and not hf:
+        parser.error("--layers applies to the built-in kinds and hf: models only")
     try:
-        if args.model.startswith("hf:"):
+        if hf:
             path = args.model[3:]
             if not Path(path).exists():
                 parser.error(f"--model {args.model!r}: {path!r} does not exist")
+            gpu = device == "cuda"
+            seq = args.seq or (2048 if gpu else 128)
+            batch = args.batch or (2 if gpu else 4)
             return hf_workload(path, device, dtype, seq, batch, args.layers)
         return factory_workload(args.model, device, dtype, args.seq, args.batch)
     except ValueError as err:
         parser.error(str(err))
+
+
+def _load_plan(parser, args, selection):  # type: ignore[no-untyped-def]
+    """The plan of ``--plan``, checked against the model's layers (exit 2 otherwise)."""
+    from .plan.apply import check_plan_layers
+    from .plan.io import PlanFileError, load_plan
+
+    if not selection.activation:
+        parser.error("--plan: the plan runs in the activation section; drop --optimizer-only")
+    try:
+        plan = load_plan(args.plan)
+        check_plan_layers(plan, selection.layers, "--plan")
+    except (OSError, PlanFileError) as err:
+        parser.error(f"--plan {args.plan!r}: {err}")
+    except ValueError as err:
+        parser.error(str(err))
+    return plan

@@ -24,7 +24,7 @@ from ._log import logger
 from ._marking import MarkOutputs
 from ._switch import ENV_VAR, use_v1
 
-__all__ = ["OffloadedLayers", "offload_layers", "sync_first"]
+__all__ = ["OffloadedLayers", "layer_runner", "offload_layers", "sync_first"]
 
 # Arguments offload_layers computes itself from the layers and the indices.
 _OWN_ARGUMENTS = (
@@ -117,6 +117,16 @@ class _Runner:
             raise
         self.last_index = index
         return out
+
+    @property
+    def transport(self) -> Any:
+        """The transport of the offload context (None when no layer is offloaded)."""
+        if self.context is None:
+            return None
+        synchronizer = getattr(self.context, "offload_synchronizer", None)
+        if synchronizer is not None:  # V2
+            return synchronizer.transport
+        return getattr(self.context.offload_handler, "transport", None)  # V1
 
     def _restart(self) -> None:
         synchronizer = getattr(self.context, "offload_synchronizer", None)
@@ -274,6 +284,33 @@ def _make_context(
     )
 
 
+def layer_runner(
+    num_layers: int,
+    offloaded: frozenset[int],
+    recomputed: frozenset[int],
+    **context_kwargs: Any,
+) -> tuple[_Runner, str | None]:
+    """What runs each layer of :func:`offload_layers`, and its backend (None: none offloaded).
+
+    The runner is called as ``runner(index, forward, args, kwargs)``; anything that
+    replaces the layers' forward (``offload_layers``, the variants of ``compare``) calls
+    it. ``offloaded`` and ``recomputed`` are checked indices (see
+    :func:`cpu_offload._layer_stack.check_indices`), disjoint.
+
+    Raises:
+        ValueError: If the backend cannot offload the set (V1: only the first k; V2: not
+            all of the layers).
+    """
+    v1 = use_v1()
+    context = sync = None
+    backend = None
+    if offloaded:
+        context, sync = _make_context(offloaded, num_layers, v1, context_kwargs)
+        backend = "v1" if v1 else "v2"
+    runner = _Runner(context, sync, offloaded, recomputed, num_layers, mark_outputs=v1)
+    return runner, backend
+
+
 def offload_layers(
     model_or_layers: nn.Module | Iterable[nn.Module],
     num_offloaded: int | None = None,
@@ -364,14 +401,10 @@ def offload_layers(
                 f"offload_layers: layer {index} ({type(layer).__name__}) is already wrapped "
                 "by offload_layers; call remove() on that handle first"
             )
-    v1 = use_v1()
-    context = sync = None
-    backend = None
-    if offloaded_set:
-        context, sync = _make_context(offloaded_set, n, v1, context_kwargs)
-        backend = "v1" if v1 else "v2"
-    handle = OffloadedLayers(layers, offloaded_set, recomputed_set, backend, context, sync)
-    runner = _Runner(context, sync, offloaded_set, recomputed_set, n, mark_outputs=v1)
+    runner, backend = layer_runner(n, offloaded_set, recomputed_set, **context_kwargs)
+    handle = OffloadedLayers(
+        layers, offloaded_set, recomputed_set, backend, runner.context, runner.sync
+    )
     handle._install(runner)
     logger.debug("offload_layers: %r", handle)
     return handle

@@ -17,7 +17,7 @@ from ..engine.selection import ActivationPolicy
 from ..engine.tensor_group import SavedEntry, TensorGroupProcessor
 from .workload import Workload
 
-__all__ = ["capture_inputs", "forward_cost", "saved_per_layer"]
+__all__ = ["capture_inputs", "forward_cost", "saved_bytes", "saved_per_layer"]
 
 Call = tuple[tuple[Any, ...], dict[str, Any]]
 
@@ -88,6 +88,30 @@ def _identity(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def saved_bytes(
+    saved: list[torch.Tensor],
+    policy: ActivationPolicy,
+    processor: TensorGroupProcessor | None = None,
+) -> tuple[int, int]:
+    """(distinct bytes saved, bytes the engine would offload) of one layer's saved tensors.
+
+    Parameters (and views of them) are not counted; tensors sharing a storage count
+    once. The offloaded part is what the engine's own tensor grouping moves of the
+    tensors ``policy`` selects.
+    """
+    storages: dict[int, int] = {}
+    for t in saved:
+        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+            continue
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    total = sum(storages.values())
+    entries = [SavedEntry(t, None, i) for i, t in enumerate(saved) if policy(t)]
+    if not entries:
+        return total, 0
+    units = (processor or TensorGroupProcessor()).process(entries).units
+    return total, min(sum(u.nbytes for u in units), total)
+
+
 def saved_per_layer(
     layers: list[nn.Module], calls: list[Call], min_numel: int
 ) -> list[tuple[int, int, int]]:
@@ -101,18 +125,9 @@ def saved_per_layer(
         saved: list[torch.Tensor] = []
         with torch.autograd.graph.saved_tensors_hooks(_Collect(saved), _identity):
             layer(*args, **kwargs)
-        storages: dict[int, int] = {}
-        for t in saved:
-            if isinstance(t, nn.Parameter) or (
-                t._base is not None and isinstance(t._base, nn.Parameter)
-            ):
-                continue
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        entries = [SavedEntry(t, None, i) for i, t in enumerate(saved) if policy(t)]
-        plan = processor.process(entries) if entries else None
-        offload = sum(u.nbytes for u in plan.units) if plan else 0
+        total, offload = saved_bytes(saved, policy, processor)
         inp = x.numel() * x.element_size() if x is not None else 0
-        out.append((sum(storages.values()), offload, inp))
+        out.append((total, offload, inp))
     return out
 
 

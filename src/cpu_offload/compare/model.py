@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -12,6 +13,9 @@ from .overrides import default_offloaded
 from .runner import CompareConfig, CompareReport, run_compare
 from .variants import VARIANTS
 from .workload import user_workload
+
+if TYPE_CHECKING:
+    from ..plan.search import Plan
 
 __all__ = ["DEFAULT_VARIANTS", "compare_model", "default_offloaded"]
 
@@ -31,6 +35,7 @@ def compare_model(
     warmup: int | None = None,
     min_tensor_size_to_offload: int | None = None,
     deterministic: bool = True,
+    plan: Plan | str | os.PathLike[str] | None = None,
     progress: Callable[[str], None] = lambda msg: None,
 ) -> CompareReport:
     """Run no offloading, V1, V2, checkpointing and ``save_on_cpu`` on your model.
@@ -62,15 +67,23 @@ def compare_model(
         deterministic: Run with ``torch.use_deterministic_algorithms(True)`` (restored
             afterwards); on a GPU, ``CUBLAS_WORKSPACE_CONFIG`` must be set before CUDA
             starts.
+        plan: A per-layer plan (:class:`cpu_offload.plan.Plan`, or the path of one
+            saved by :func:`cpu_offload.plan.save_plan` or ``cpu-offload plan --save``),
+            run as one more row, ``plan``, through :func:`cpu_offload.plan.apply_plan`'s
+            runner. It must be made for this model's number of layers.
         progress: Called with a line of text as each phase starts.
 
     Returns:
         The :class:`~cpu_offload.compare.CompareReport`.
 
     Raises:
-        TypeError: If ``make_batch`` or ``loss_fn`` is not callable.
+        TypeError: If ``make_batch`` or ``loss_fn`` is not callable, or ``plan`` is
+            neither a plan nor a path.
         ValueError: On an unknown variant, ``num_offloaded`` outside
-            ``[0, layers - 1]``, or a model whose layer stack cannot be found.
+            ``[0, layers - 1]``, a model whose layer stack cannot be found, or a plan
+            made for another number of layers (or a plan file that cannot be read:
+            :class:`cpu_offload.plan.PlanFileError`).
+        OSError: If the plan file cannot be read.
 
     Example:
         >>> from cpu_offload.compare import compare_model, format_table
@@ -89,6 +102,7 @@ def compare_model(
     k = default_offloaded(n) if num_offloaded is None else num_offloaded
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < n:
         raise ValueError(f"num_offloaded must be an int in [0, {n - 1}] for {n} layers, got {k!r}")
+    checked_plan = None if plan is None else _plan(plan, n)
     cuda = workload.device.type == "cuda"
     config = CompareConfig(
         spec=None,
@@ -102,6 +116,7 @@ def compare_model(
         device="cuda" if cuda else "cpu",
         deterministic=deterministic,
         workload=workload,
+        plan=checked_plan,
     )
     previous = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(deterministic)
@@ -109,3 +124,20 @@ def compare_model(
         return run_compare(config, progress)
     finally:
         torch.use_deterministic_algorithms(previous)
+
+
+def _plan(plan: object, num_layers: int) -> Plan:
+    """``plan``, loaded when it is a path, and checked against the model's layers."""
+    from ..plan.apply import check_plan_layers
+    from ..plan.io import load_plan
+    from ..plan.search import Plan
+
+    if isinstance(plan, (str, os.PathLike)):
+        plan = load_plan(plan)
+    elif not isinstance(plan, Plan):
+        raise TypeError(
+            f"plan must be a cpu_offload.plan.Plan or the path of a saved plan, got "
+            f"{type(plan).__name__}"
+        )
+    check_plan_layers(plan, num_layers)
+    return plan

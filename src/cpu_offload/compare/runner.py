@@ -10,11 +10,13 @@ transport: numerics are real, while times and memory come from the timeline mode
 
 from __future__ import annotations
 
+import functools
 import gc
 import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,8 +28,11 @@ from ._rows import row_by_name
 from ._step import Installed, Step, one_step
 from .optimizer import OptimizerCompareConfig, OptimizerReport, run_optimizer_compare
 from .simulate import LayerProfile, SimResult, Span, simulate
-from .variants import make_variant
+from .variants import Variant, make_variant
 from .workload import Workload, spec_workload
+
+if TYPE_CHECKING:
+    from ..plan.search import Plan
 
 __all__ = ["CompareConfig", "CompareReport", "VariantResult", "run_compare", "measure_link"]
 
@@ -63,6 +68,8 @@ class CompareConfig:
     activation: bool = True
     optimizer: OptimizerCompareConfig | None = None
     workload: Workload | None = None
+    #: A per-layer plan (:class:`cpu_offload.plan.Plan`) to run as the ``plan`` row.
+    plan: Plan | None = None
 
 
 @dataclass
@@ -70,8 +77,9 @@ class VariantResult:
     """Everything measured for one variant.
 
     ``step_ms`` is the median step time, ``step_spread_ms`` the spread of the measured
-    steps (largest minus smallest; 0 when simulated). ``copy_streams`` and ``schedule``
-    are the variant's facts (see :class:`~cpu_offload.compare.variants.Variant`).
+    steps (largest minus smallest; 0 when simulated). ``copy_streams``, ``schedule``,
+    ``offloaded_layers`` and ``recomputed_layers`` are the variant's facts (see
+    :class:`~cpu_offload.compare.variants.Variant`).
     """
 
     name: str
@@ -87,6 +95,8 @@ class VariantResult:
     bytes_offloaded_per_step: int = 0
     copy_streams: bool = False
     schedule: str = ""
+    offloaded_layers: tuple[int, ...] = ()
+    recomputed_layers: tuple[int, ...] = ()
     spans: list[Span] = field(default_factory=list)
     memory: list[tuple[float, int]] = field(default_factory=list)
 
@@ -207,8 +217,9 @@ def run_compare(
 
     Raises:
         ValueError: If ``config.activation`` is off and ``config.optimizer`` is None,
-            neither ``spec`` nor ``workload`` is given, or the optimizer section is
-            asked for without ``spec``.
+            neither ``spec`` nor ``workload`` is given, the optimizer section is
+            asked for without ``spec``, or ``config.plan`` was made for another number
+            of layers.
     """
     if not config.activation and config.optimizer is None:
         raise ValueError(
@@ -283,6 +294,7 @@ def _config_dict(config: CompareConfig, workload: Workload | None) -> dict[str, 
         "deterministic": config.deterministic,
         "activation": config.activation,
         "optimizer": config.optimizer is not None,
+        "plan": None if config.plan is None else config.plan.describe(),
     }
 
 
@@ -302,6 +314,10 @@ def _run_activation(config: CompareConfig, progress: Callable[[str], None]) -> C
     n, k = len(workload.layers), config.num_offloaded
     if not 0 <= k < n:
         raise ValueError(f"num_offloaded must be in [0, {n - 1}] for {n} layers, got {k}")
+    if config.plan is not None:
+        from ..plan.apply import check_plan_layers
+
+        check_plan_layers(config.plan, n)
 
     def transport_factory() -> Transport:
         return CudaTransport() if cuda else HostTransport()
@@ -326,12 +342,12 @@ def _run_activation(config: CompareConfig, progress: Callable[[str], None]) -> C
     del again
 
     results: list[VariantResult] = []
-    names = list(dict.fromkeys(["none", *config.variants]))
-    for idx, name in enumerate(names, 1):
+    makers = _variant_makers(config)
+    for idx, (name, make) in enumerate(makers, 1):
         progress(
-            f"[{idx}/{len(names)}] {name}: {config.warmup} warm-up + {steps_per_variant} steps"
+            f"[{idx}/{len(makers)}] {name}: {config.warmup} warm-up + {steps_per_variant} steps"
         )
-        variant = make_variant(name, n, k, config.min_numel, transport_factory)
+        variant = make(n, k, config.min_numel, transport_factory)
         installed = Installed(variant, workload)
         try:
             result = _measure(installed, ref, config.warmup, steps_per_variant, cuda)
@@ -372,6 +388,19 @@ def _run_activation(config: CompareConfig, progress: Callable[[str], None]) -> C
     return report
 
 
+def _variant_makers(config: CompareConfig) -> list[tuple[str, Callable[..., Variant]]]:
+    """(name, factory) of each variant to run: no offloading first, the plan's row last."""
+    names = list(dict.fromkeys(["none", *config.variants]))
+    makers: list[tuple[str, Callable[..., Variant]]] = [
+        (name, functools.partial(make_variant, name)) for name in names
+    ]
+    if config.plan is not None:
+        from ..plan.compare import PlanVariant, plan_variant
+
+        makers.append((PlanVariant.name, plan_variant(config.plan)))
+    return makers
+
+
 def _measure(installed: Installed, ref: Step, warmup: int, count: int, cuda: bool) -> VariantResult:
     """Warm-up, ``count`` measured steps and a few recorded ones of one variant."""
     variant = installed.variant
@@ -396,6 +425,8 @@ def _measure(installed: Installed, ref: Step, warmup: int, count: int, cuda: boo
         bytes_offloaded_per_step=moved // max(count, 1),
         copy_streams=variant.copy_streams,
         schedule=variant.schedule,
+        offloaded_layers=variant.offloaded_layers,
+        recomputed_layers=variant.recomputed_layers,
         spans=recorded[-1].spans,
         memory=recorded[-1].memory,
     )
@@ -474,7 +505,15 @@ def _simulate_into(
         f"{gbps:g} GB/s each way."
     )
     for result in report.results:
-        sim: SimResult = simulate(profiles, result.schedule, k, gbps, gbps)
+        sim: SimResult = simulate(
+            profiles,
+            result.schedule,
+            k,
+            gbps,
+            gbps,
+            offloaded=result.offloaded_layers,
+            recomputed=result.recomputed_layers,
+        )
         result.step_ms = sim.step_ms
         result.step_times_ms = []
         result.step_spread_ms = 0.0

@@ -10,14 +10,16 @@ GPU of ``cpu-offload compare`` on a machine without one.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from .._layer_stack import check_indices, offload_schedule
 from ..v1.handlers import layer_windows
 
 __all__ = ["LayerProfile", "SimResult", "Span", "simulate", "SIMULATED_VARIANTS"]
 
 #: Variants the model knows.
-SIMULATED_VARIANTS = ("none", "v1-sync", "v1-async", "v2", "checkpoint", "save_on_cpu")
+SIMULATED_VARIANTS = ("none", "v1-sync", "v1-async", "v2", "checkpoint", "save_on_cpu", "plan")
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,8 @@ def simulate(
     h2d_gbps: float | None = None,
     *,
     duplex: bool = False,
+    offloaded: Iterable[int] = (),
+    recomputed: Iterable[int] = (),
 ) -> SimResult:
     """Replay one training step of ``variant`` with ``num_offloaded`` of the layers.
 
@@ -121,12 +125,21 @@ def simulate(
         h2d_gbps: Host-to-device bandwidth, GB/s (``d2h_gbps`` if None).
         duplex: V2 copies both directions on separate streams (otherwise one stream, as
             the default schedule uses).
+        offloaded: For ``"plan"``: the offloaded layers (V2's schedule for that set,
+            as :func:`cpu_offload.offload_layers` builds it); ``num_offloaded`` is unused.
+        recomputed: For ``"plan"``: the layers recomputed in backward.
 
     Returns:
         The simulated step.
 
     Raises:
-        ValueError: On an unknown variant or a ``num_offloaded`` out of range.
+        ValueError: On an unknown variant, a ``num_offloaded`` or layer index out of
+            range, or a layer both offloaded and recomputed.
+
+    Example:
+        >>> layer = LayerProfile(1.0, 2.0, saved_bytes=100, offload_bytes=100, input_bytes=10)
+        >>> simulate([layer] * 3, "plan", 0, 1e-4, offloaded=[0], recomputed=[1]).peak_bytes
+        210
     """
     n, k = len(profiles), num_offloaded
     if variant not in SIMULATED_VARIANTS:
@@ -138,7 +151,15 @@ def simulate(
     if variant in ("none", "v1-sync", "save_on_cpu", "checkpoint"):
         _serial(sim, p, variant, k)
     elif variant == "v2":
-        _default_schedule(sim, p, k, duplex)
+        _per_layer(sim, p, frozenset(range(k)), frozenset(), duplex)
+    elif variant == "plan":
+        moved, rerun = (
+            check_indices("offloaded", offloaded, n),
+            check_indices("recomputed", recomputed, n),
+        )
+        if moved & rerun:
+            raise ValueError(f"layers {sorted(moved & rerun)} are both offloaded and recomputed")
+        _per_layer(sim, p, moved, rerun, duplex)
     else:
         _v1_async(sim, p, k)
     return SimResult(sim.t, sim.peak, sim.spans, sim.memory)
@@ -175,32 +196,58 @@ def _serial(sim: _Sim, p: list[LayerProfile], variant: str, k: int) -> None:
         sim.free(p[j].saved_bytes)
 
 
-def _default_schedule(sim: _Sim, p: list[LayerProfile], k: int, duplex: bool) -> None:
+def _per_layer(
+    sim: _Sim,
+    p: list[LayerProfile],
+    offloaded: frozenset[int],
+    recomputed: frozenset[int],
+    duplex: bool,
+) -> None:
+    # V2's schedule for any set of offloaded layers (the default one for the first k),
+    # as offload_layers builds it, with recomputed layers run again before their backward.
     n = len(p)
+    finish_at: dict[tuple[bool, int], list[int]] = {}
+    reload_at: dict[int, list[int]] = {}
+    for layer, (fwd, when, _, reload) in offload_schedule(offloaded, n).items():
+        finish_at.setdefault((fwd, when), []).append(layer)
+        reload_at.setdefault(reload, []).append(layer)
     d2h_free = h2d_free = 0.0
     offload_end: dict[int, float] = {}
     reload_end: dict[int, float] = {}
-    for j in range(n):
-        i = j - (n - k)  # layer i's offload must finish before forward j = n-k+i
-        if 0 <= i < k:
+
+    def finish(point: tuple[bool, int]) -> None:
+        for i in finish_at.get(point, ()):
             sim.wait_until(offload_end[i], f"wait offload L{i}")
             sim.free(p[i].offload_bytes)
+
+    for j in range(n):
+        finish((True, j))
+        if j in recomputed:
+            sim.alloc(p[j].input_bytes)
+            sim.compute(f"F{j}", p[j].forward_ms)
+            continue
         sim.alloc(p[j].saved_bytes)
         start, end = sim.compute(f"F{j}", p[j].forward_ms)
-        if j < k:
+        if j in offloaded:
             offload_end[j] = sim.copy("offload", f"L{j}", d2h_free, start, p[j].offload_bytes, end)
             d2h_free = offload_end[j]
             if not duplex:
                 h2d_free = d2h_free
     for j in reversed(range(n)):
-        i = j - (n - k) + 1  # layer i reloads when backward of n-k+i-1 starts
-        if 0 <= i < k:
+        finish((False, j))
+        for i in reload_at.get(j, ()):
             sim.alloc(p[i].offload_bytes)
             reload_end[i] = sim.copy("reload", f"L{i}", h2d_free, sim.t, p[i].offload_bytes)
             h2d_free = reload_end[i]
             if not duplex:
                 d2h_free = h2d_free
-        if j < k:
+        if j in recomputed:
+            sim.alloc(p[j].saved_bytes)
+            sim.compute(f"R{j}", p[j].forward_ms)
+            sim.compute(f"B{j}", p[j].backward_ms)
+            sim.free(p[j].saved_bytes + p[j].input_bytes)
+            continue
+        if j in offloaded:
             sim.wait_until(reload_end[j], f"wait reload L{j}")
         sim.compute(f"B{j}", p[j].backward_ms)
         sim.free(p[j].saved_bytes)

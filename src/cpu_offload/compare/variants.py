@@ -72,6 +72,16 @@ class Variant(ABC):
         self.transport_factory = transport_factory if self.copy_streams else None
         self.transports: list[Transport] = []
 
+    @property
+    def offloaded_layers(self) -> tuple[int, ...]:
+        """Indices of the layers whose activations it offloads."""
+        return tuple(range(self.k)) if self.offloads else ()
+
+    @property
+    def recomputed_layers(self) -> tuple[int, ...]:
+        """Indices of the layers it recomputes in backward."""
+        return ()
+
     def _transport(self) -> Transport | None:
         if self.transport_factory is None:
             return None
@@ -181,6 +191,10 @@ class _V1Sync(Variant):
 class _Checkpoint(Variant):
     name = "checkpoint"
     schedule = "checkpoint"
+
+    @property
+    def recomputed_layers(self) -> tuple[int, ...]:
+        return tuple(range(self.k))
 
     def call(self, index, forward, args, kwargs):  # type: ignore[no-untyped-def]
         if index < self.k:

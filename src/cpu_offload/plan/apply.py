@@ -11,7 +11,36 @@ from .._layer_stack import find_layers
 from ..layers import OffloadedLayers, offload_layers
 from .search import Plan
 
-__all__ = ["apply_plan"]
+__all__ = ["apply_plan", "check_plan_layers"]
+
+
+def check_plan_layers(plan: Plan, num_layers: int, name: str = "plan") -> None:
+    """Refuse a plan made for another number of layers.
+
+    Args:
+        plan: The plan.
+        num_layers: The model's layers.
+        name: What the message calls the plan (an argument or option name).
+
+    Raises:
+        TypeError: If ``plan`` is not a :class:`Plan`.
+        ValueError: If the plan has another number of layers.
+
+    Example:
+        >>> from cpu_offload.plan.model import Choice
+        >>> try:
+        ...     check_plan_layers(Plan((Choice.KEEP,) * 3, 1, 0.0, 0), 4, "--plan")
+        ... except ValueError as err:
+        ...     print(str(err)[:51])
+        --plan: the plan was made for 3 layers, but the mod
+    """
+    if not isinstance(plan, Plan):
+        raise TypeError(f"{name} must be a cpu_offload.plan.Plan, got {type(plan).__name__}")
+    if len(plan.choices) != num_layers:
+        raise ValueError(
+            f"{name}: the plan was made for {len(plan.choices)} layers, but the model has "
+            f"{num_layers}: make a plan for this model"
+        )
 
 
 def apply_plan(
@@ -49,14 +78,7 @@ def apply_plan(
         >>> layers(torch.randn(8, 64, requires_grad=True)).sum().backward()
         >>> handle.remove()
     """
-    if not isinstance(plan, Plan):
-        raise TypeError(f"plan must be a cpu_offload.plan.Plan, got {type(plan).__name__}")
-    n = len(find_layers(model_or_layers))
-    if len(plan.choices) != n:
-        raise ValueError(
-            f"the plan was made for {len(plan.choices)} layers, but the model has {n}: "
-            "make a plan for this model"
-        )
+    check_plan_layers(plan, len(find_layers(model_or_layers)))
     # offloaded=() (not None) so that a plan keeping every layer is a valid no-op.
     return offload_layers(
         model_or_layers, offloaded=plan.offloaded, recomputed=plan.recomputed, **context_kwargs

@@ -13,6 +13,8 @@ import re
 import sys
 from typing import Any
 
+from ..cli import _DTYPES, _positive, add_model_option
+
 __all__ = ["add_plan_parser", "parse_budget", "run_plan"]
 
 _UNITS = {
@@ -25,7 +27,6 @@ _UNITS = {
     "GIB": 2**30,
     "TIB": 2**40,
 }
-_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def parse_budget(text: str) -> int | float:
@@ -73,22 +74,8 @@ def _budget_type(text: str) -> int | float:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def _positive(name: str):  # type: ignore[no-untyped-def]
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {value}")
-        return value
-
-    return parse
-
-
 def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``plan`` subcommand to the ``cpu-offload`` parser's subparsers."""
-    from ..models import MODEL_KINDS
 
     p = subparsers.add_parser(
         "plan",
@@ -110,12 +97,16 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="peak device memory allowed: 12GiB, 800MiB, 1.5GB, or 0.6 (a fraction of the "
         "peak without offloading)",
     )
-    p.add_argument("--model", choices=MODEL_KINDS, default="gpt", help="layer kind (default gpt)")
-    p.add_argument("--hidden", type=_positive("--hidden"), help="model width")
-    p.add_argument("--heads", type=_positive("--heads"), help="attention heads")
+    add_model_option(p)
+    p.add_argument("--hidden", type=_positive("--hidden"), help="model width, built-in kinds")
+    p.add_argument("--heads", type=_positive("--heads"), help="attention heads, built-in kinds")
     p.add_argument("--seq", type=_positive("--seq"), help="sequence length")
     p.add_argument("--batch", type=_positive("--batch"), help="batch size")
-    p.add_argument("--layers", type=_positive("--layers"), help="number of layers")
+    p.add_argument(
+        "--layers",
+        type=_positive("--layers"),
+        help="number of layers, built-in kinds (default 8) and hf: models (the config's)",
+    )
     p.add_argument("--dtype", choices=sorted(_DTYPES), help="bf16 on a GPU, fp32 on the CPU")
     p.add_argument("--device", choices=("cuda", "cpu"), help="cuda when available")
     p.add_argument("--steps", type=_positive("--steps"), help="timed steps (default 3)")
@@ -150,7 +141,9 @@ def run_plan(args: argparse.Namespace) -> int:
     """
     import torch
 
-    from ..models import ModelSpec, build_layers, run_layers
+    from ..cli import model_workload
+    from ..compare.workload import spec_workload
+    from ..models import ModelSpec
     from .io import PlanFileError, load_plan, save_plan
     from .model import Choice, estimate
     from .profile import measure_choices, profile_model
@@ -161,33 +154,36 @@ def run_plan(args: argparse.Namespace) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available here")
     gpu = device == "cuda"
-    spec = ModelSpec(
-        kind=args.model,
-        hidden=args.hidden or (2048 if gpu else 128),
-        heads=args.heads or (16 if gpu else 4),
-        seq=args.seq or (2048 if gpu else 128),
-        batch=args.batch or (2 if gpu else 4),
-        layers=args.layers or 8,
-        dtype=getattr(torch, _DTYPES[args.dtype or ("bf16" if gpu else "fp32")]),
-    )
-    if spec.hidden % spec.heads:
-        parser.error(f"--heads ({spec.heads}) must divide --hidden ({spec.hidden})")
+    dtype = getattr(torch, _DTYPES[args.dtype or ("bf16" if gpu else "fp32")])
     min_numel = args.min_tensor_size
     if min_numel is None:
         min_numel = 256 * 1024 if gpu else 8 * 1024
     if min_numel < 0:
         parser.error("--min-tensor-size must be >= 0")
     steps = args.steps or 3
+    # The same --model as compare: a built-in kind, package.module:factory or hf:config.
+    workload = model_workload(parser, args, device, dtype)
+    if workload is None:
+        spec = ModelSpec(
+            kind=args.model,
+            hidden=args.hidden or (2048 if gpu else 128),
+            heads=args.heads or (16 if gpu else 4),
+            seq=args.seq or (2048 if gpu else 128),
+            batch=args.batch or (2 if gpu else 4),
+            layers=args.layers or 8,
+            dtype=dtype,
+        )
+        if spec.hidden % spec.heads:
+            parser.error(f"--heads ({spec.heads}) must divide --hidden ({spec.hidden})")
+        workload = spec_workload(spec, device)
+    model, num_layers = workload.model, len(workload.layers)
 
     def progress(msg: str) -> None:
         if not args.quiet:
             print(f"cpu-offload plan: {msg}", file=sys.stderr, flush=True)
 
-    layers = build_layers(spec, device)
-    x = spec.make_input(device)
-
     def step() -> torch.Tensor:
-        return run_layers(layers, x).float().square().mean()
+        return workload.loss_fn(model, workload.make_batch())
 
     if args.load:
         try:
@@ -196,14 +192,14 @@ def run_plan(args: argparse.Namespace) -> int:
             parser.error(f"--load: {err}")
         if profile is None:
             parser.error(f"--load {args.load}: the file holds no profile to plan from")
-        if profile.num_layers != spec.layers:
+        if profile.num_layers != num_layers:
             parser.error(
                 f"--load {args.load}: its profile has {profile.num_layers} layers, the "
-                f"model {spec.layers}"
+                f"model {num_layers}"
             )
     else:
-        progress(f"profiling {spec.layers} {spec.kind} layers on {device}")
-        profile = profile_model(layers, step, steps=steps, min_tensor_size_to_offload=min_numel)
+        progress(f"profiling the {num_layers} layers of {workload.description} on {device}")
+        profile = profile_model(model, step, steps=steps, min_tensor_size_to_offload=min_numel)
     n = profile.num_layers
     keep = estimate(profile, [Choice.KEEP] * n)
     budget = args.budget
@@ -232,10 +228,10 @@ def run_plan(args: argparse.Namespace) -> int:
         if not args.no_measure:
             progress(f"running {row['name']}")
             row["measured"] = measure_choices(
-                layers, step, row["choices"], steps=steps, min_tensor_size_to_offload=min_numel
+                model, step, row["choices"], steps=steps, min_tensor_size_to_offload=min_numel
             )
     print(
-        f"Plan for {n} {spec.kind} layers on {profile.device}, budget {_gib(budget)} GiB "
+        f"Plan for the {n} layers of {workload.description} on {profile.device}, budget {_gib(budget)} GiB "
         f"({budget / keep.peak_bytes:.2f} of the modelled peak without offloading); "
         f"offloaded layers {list(plan.offloaded)}, recomputed {list(plan.recomputed)}."
     )

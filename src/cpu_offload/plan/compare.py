@@ -5,14 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
-from torch import nn
-from torch.utils.checkpoint import checkpoint
-
-from .. import v2
-from ..compare.variants import Variant
 from ..engine.transport import Transport
-from .model import Choice, offload_schedule
+from ..compare.variants import Variant
+from ..layers import layer_runner
+from .apply import check_plan_layers
 from .search import Plan
 
 __all__ = ["PlanVariant", "plan_variant"]
@@ -20,6 +16,10 @@ __all__ = ["PlanVariant", "plan_variant"]
 
 class PlanVariant(Variant):
     """Runs each layer as ``plan`` says: kept, offloaded (its schedule) or recomputed.
+
+    Each layer runs through the runner of :func:`cpu_offload.offload_layers` (the
+    one-call API), so that the row measures what :func:`cpu_offload.plan.apply_plan`
+    runs.
 
     Args:
         num_layers, num_offloaded, min_numel, transport_factory: As for
@@ -33,6 +33,8 @@ class PlanVariant(Variant):
 
     name = "plan"
     offloads = True
+    copy_streams = True
+    schedule = "plan"
 
     def __init__(
         self,
@@ -44,41 +46,46 @@ class PlanVariant(Variant):
         plan: Plan,
     ) -> None:
         super().__init__(num_layers, num_offloaded, min_numel, transport_factory)
-        if len(plan.choices) != num_layers:
-            raise ValueError(f"the plan has {len(plan.choices)} layers, the model {num_layers}")
+        check_plan_layers(plan, num_layers)
         self.plan = plan
-        self.ctx: Any = None
-        self.sync: Any = None
-        if plan.offloaded:
-            transport = self._transport()
-            self.ctx, self.sync = v2.get_cpu_offload_context(  # type: ignore[misc]
-                True,
-                len(plan.offloaded),
-                num_layers,
-                synchronization_dict=offload_schedule(plan.choices),
-                min_tensor_size_to_offload=min_numel,
-                transport=transport,
-            )
-            if transport is None:
-                self.transports.append(self.ctx.offload_synchronizer.transport)
+        kwargs: dict[str, Any] = {"min_tensor_size_to_offload": min_numel}
+        transport = self._transport() if plan.offloaded else None
+        if transport is not None:
+            kwargs["transport"] = transport
+        self.runner, _ = layer_runner(
+            num_layers, frozenset(plan.offloaded), frozenset(plan.recomputed), **kwargs
+        )
+        if transport is None and self.runner.transport is not None:
+            self.transports.append(self.runner.transport)
 
-    def run_layer(self, index: int, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        recompute = self.plan.choices[index] is Choice.RECOMPUTE
-        if self.ctx is None:
-            return checkpoint(layer, x, use_reentrant=False) if recompute else layer(x)
-        # Every layer runs under the context, so that the schedule counts all of them.
-        with self.ctx:
-            x = checkpoint(layer, x, use_reentrant=False) if recompute else layer(x)
-        return self.sync(x)
+    @property
+    def offloaded_layers(self) -> tuple[int, ...]:
+        return self.plan.offloaded
+
+    @property
+    def recomputed_layers(self) -> tuple[int, ...]:
+        return self.plan.recomputed
+
+    def call(
+        self, index: int, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict
+    ) -> Any:
+        return self.runner(index, forward, args, kwargs)
 
 
 def plan_variant(plan: Plan) -> Callable[..., PlanVariant]:
     """A factory with :class:`Variant`'s constructor signature that runs ``plan``.
 
+    Args:
+        plan: The plan to run.
+
+    Returns:
+        ``make(num_layers, num_offloaded, min_numel, transport_factory=None)``.
+
     Example:
-        >>> plan = Plan((Choice.OFFLOAD, Choice.KEEP), 1, 0.0, 0)
-        >>> plan_variant(plan)(2, 0, 1).plan.describe()
-        'OK'
+        >>> from cpu_offload.plan.model import Choice
+        >>> plan = Plan((Choice.OFFLOAD, Choice.KEEP, Choice.KEEP), 1, 0.0, 0)
+        >>> plan_variant(plan)(3, 0, 1).plan.describe()
+        'OKK'
     """
 
     def make(

@@ -22,7 +22,7 @@ from torch import nn
 
 from .._layer_stack import find_layers
 from ..engine.selection import ActivationPolicy
-from ..engine.tensor_group import SavedEntry, TensorGroupProcessor
+from ..compare._profile import saved_bytes
 from ..v2.context import DEFAULT_MIN_TENSOR_SIZE
 from .model import LayerCost, Link, Profile
 
@@ -126,7 +126,7 @@ class _Probe:
                 self._saving = None
                 # Counted now and let go: backward frees them as it would without us.
                 assert self.policy is not None
-                self.saved_bytes[j] = _saved_bytes(self.saved[j], self.policy)
+                self.saved_bytes[j] = saved_bytes(self.saved[j], self.policy)
                 self.saved[j] = []
             if self.capture and self.clock.cuda:
                 # What the forward held at its peak beyond what it left allocated.
@@ -209,19 +209,6 @@ def _with_grads(
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     return params
-
-
-def _saved_bytes(saved: list[torch.Tensor], policy: ActivationPolicy) -> tuple[int, int]:
-    """(distinct bytes saved, bytes the engine would offload) of one layer."""
-    storages: dict[int, int] = {}
-    for t in saved:
-        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
-            continue
-        storage = t.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
-    entries = [SavedEntry(t, None, i) for i, t in enumerate(saved) if policy(t)]
-    moved = sum(u.nbytes for u in TensorGroupProcessor().process(entries).units) if entries else 0
-    return sum(storages.values()), min(moved, sum(storages.values()))
 
 
 def measure_host_link(nbytes: int = 16 << 20, repeats: int = 3) -> Link:
