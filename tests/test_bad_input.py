@@ -122,7 +122,7 @@ class _Mark(torch.nn.Module):
 
 
 def test_sparse_and_nested_tensors_are_not_candidates():
-    from cpu_offload._selection import ActivationPolicy, is_marked_for_offload
+    from cpu_offload.engine.selection import ActivationPolicy, is_marked_for_offload
 
     policy = ActivationPolicy(0, lambda t: True)
     sparse = torch.randn(8, 8).to_sparse()

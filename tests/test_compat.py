@@ -175,6 +175,17 @@ def test_plain_tensors_are_not_fake_or_functional() -> None:
     assert _compat.is_fake_or_functional(torch.ones(3)) is False
 
 
+def test_fake_and_functional_tensors_are_recognised() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake = torch.ones(3)
+    assert _compat.is_fake_or_functional(fake) is True
+    functional = torch._to_functional_tensor(torch.ones(3))
+    assert type(functional) is torch.Tensor  # the plain-type shortcut must not skip it
+    assert _compat.is_fake_or_functional(functional) is True
+
+
 # ---- only the compat module looks at the PyTorch version ----------------------------
 
 _VERSION_LOOKS = re.compile(

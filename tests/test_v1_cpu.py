@@ -14,7 +14,7 @@ from torch import nn
 
 import cpu_offload
 from cpu_offload import HostTransport, is_cpu_offload_enabled, is_current_layer_offloaded, v1
-from cpu_offload._selection import is_marked_for_offload
+from cpu_offload.engine.selection import is_marked_for_offload
 from cpu_offload.models import run_layers
 from cpu_offload.v1 import (
     AsyncDoubleBufferGroupOffloadHandler,

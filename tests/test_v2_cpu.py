@@ -406,6 +406,35 @@ def test_sync_on_a_leaf_returns_a_view_with_grad_fn():
     assert out.grad_fn is not None and torch.equal(out, x)
 
 
+def test_only_offloaded_layers_run_with_saved_tensor_hooks():
+    # A layer that is not offloaded saves its tensors exactly as without the context:
+    # no hook runs for them (is_cpu_offload_enabled still answers True).
+    ctx, sync = _ctx(2)
+    hooked = []
+    x = _leaf(4)
+    for _ in range(N):
+        with ctx:
+            hooked.append(top_saved_tensor_hooks() is not None)
+            assert is_cpu_offload_enabled()
+            x = x * 2
+        x = sync(x)
+    assert hooked == [True, True] + [False] * (N - 2)
+    x.sum().backward()
+
+
+def test_a_replaced_synchronizer_receives_the_tensors():
+    ctx, sync = _ctx(1)
+    other, _ = _ctx(1)
+    ctx.offload_synchronizer = other.offload_synchronizer
+    x = _leaf(64, 64)
+    for _ in range(N):
+        with ctx:
+            x = x * x.exp()
+        x = sync(x)
+    x.sum().backward()
+    assert other.offload_synchronizer.transport.bytes_offloaded > 0
+
+
 def test_inside_context_and_queries():
     ctx, sync = _ctx(1)
     assert not ctx.inside_context

@@ -14,11 +14,11 @@ import torch
 
 from . import v1, v2
 from ._args import check_bool, check_int
-from ._selection import mark_activation_offload, mark_not_offload
-from ._state import is_cpu_offload_enabled, is_current_layer_offloaded
 from ._switch import ENV_VAR, use_v1
-from ._transport import CudaTransport, HostBufferPool, HostTransport, Transport
 from ._warn import warn_at_caller
+from .engine.active import is_cpu_offload_enabled, is_current_layer_offloaded
+from .engine.selection import mark_activation_offload, mark_not_offload
+from .engine.transport import CudaTransport, HostBufferPool, HostTransport, Transport
 from .layers import OffloadedLayers, offload_layers
 from .pipeline import PipelineStageOffload, plan_pipeline_offload
 from .v2 import (
@@ -85,6 +85,7 @@ def get_cpu_offload_context(
     synchronization_dict: dict[int, tuple[bool, int, bool, int]] | None = None,
     min_tensor_size_to_offload: int = DEFAULT_MIN_TENSOR_SIZE,
     transport: Transport | None = None,
+    duplex: bool = False,
 ) -> Any:
     """The offload context of the backend ``NVTE_CPU_OFFLOAD_V1`` selects.
 
@@ -95,7 +96,8 @@ def get_cpu_offload_context(
     (``retain_pinned_cpu_buffers``, ``min_tensor_size_to_offload``, ``offload_stream``)
     are accepted with one ``UserWarning`` saying they have no effect; the ones that
     change the contract (``manual_synchronization=True``, which adds a return value, and
-    ``synchronization_dict``, which changes the schedule) are an error.
+    ``synchronization_dict``, which changes the schedule) are an error. ``duplex`` is
+    accepted by both (V1 always reloads on a stream of its own).
 
     Returns:
         What the selected backend returns.
@@ -123,7 +125,10 @@ def get_cpu_offload_context(
             synchronization_dict=synchronization_dict,
             min_tensor_size_to_offload=min_tensor_size_to_offload,
             transport=transport,
+            duplex=duplex,
         )
+    # V1 always reloads on a stream of its own: duplex asks for what it does already.
+    check_bool("duplex", duplex)
     _check_v2_arguments_under_v1(
         enabled,
         manual_synchronization=manual_synchronization,

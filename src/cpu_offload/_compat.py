@@ -156,13 +156,21 @@ def fused_optimizer_supported(device_type: str, version: Version | str | None = 
 
 def is_fake_or_functional(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a fake or functional tensor (no real storage to copy)."""
+    if torch._is_functional_tensor(tensor):
+        return True
+    if type(tensor) is torch.Tensor:
+        # Asked for every saved tensor: a plain tensor that is not functional is not fake
+        # (fake tensors are a subclass), so the general test below is skipped.
+        return False
+    return _is_fake(tensor)
+
+
+def _is_fake(tensor: torch.Tensor) -> bool:
     try:
         from torch._subclasses.fake_tensor import is_fake
     except ImportError:  # pragma: no cover - every supported release has it
         return False
-    if is_fake(tensor):
-        return True
-    return bool(torch._is_functional_tensor(tensor))
+    return bool(is_fake(tensor))
 
 
 def queue_backward_callback(callback: Callable[[], None]) -> None:

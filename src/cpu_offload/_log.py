@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from ._compat import is_fake_or_functional
-from ._selection import _is_weight, is_marked_not_offload
+from .engine.selection import _is_weight, is_marked_not_offload
 
 __all__ = ["kept", "keep_reason", "logger", "moved", "offloaded"]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ._selection import mark_activation_offload
+from .engine.selection import mark_activation_offload
 
 __all__ = ["MarkOutputs"]
 

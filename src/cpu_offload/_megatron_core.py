@@ -12,7 +12,7 @@ from __future__ import annotations
 from types import TracebackType
 from typing import Any
 
-from ._transport import Transport
+from .engine.transport import Transport
 
 __all__ = ["MegatronCoreOffload", "use_with_megatron_core"]
 

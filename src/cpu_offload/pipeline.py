@@ -27,10 +27,10 @@ from torch import nn
 
 from ._args import check_int
 from ._compat import is_fake_or_functional
-from ._selection import mark_not_offload
-from ._transport import Transport, default_transport
+from .engine.layer_state import LayerPhase
+from .engine.selection import mark_not_offload
+from .engine.transport import Transport, default_transport
 from .v2.context import DEFAULT_MIN_TENSOR_SIZE, get_cpu_offload_context
-from .v2.layer_state import LayerPhase
 from .v2.synchronizer import ManualOffloadSynchronizer
 
 __all__ = [

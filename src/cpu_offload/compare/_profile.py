@@ -13,8 +13,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .._selection import ActivationPolicy
-from .._tensor_group import SavedEntry, TensorGroupProcessor
+from ..engine.selection import ActivationPolicy
+from ..engine.tensor_group import SavedEntry, TensorGroupProcessor
 from .workload import Workload
 
 __all__ = ["capture_inputs", "forward_cost", "saved_bytes", "saved_per_layer"]

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .._compat import TORCH_VERSION_STRING
-from .._transport import CudaTransport, HostTransport, Transport
+from ..engine.transport import CudaTransport, HostTransport, Transport
 from ..models import ModelSpec
 from ._profile import capture_inputs, forward_cost, saved_per_layer
 from ._rows import row_by_name

@@ -18,8 +18,8 @@ from torch.utils.checkpoint import checkpoint
 
 from .. import v1, v2
 from .._marking import MarkOutputs
-from .._selection import is_marked_for_offload
-from .._transport import Transport
+from ..engine.selection import is_marked_for_offload
+from ..engine.transport import Transport
 from ..layers import sync_first
 
 __all__ = ["VARIANTS", "Variant", "make_variant"]

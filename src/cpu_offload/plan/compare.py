@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .._transport import Transport
 from ..compare.variants import Variant
+from ..engine.transport import Transport
 from ..layers import layer_runner
 from .apply import check_plan_layers
 from .search import Plan

@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from .._layer_stack import find_layers
-from .._selection import ActivationPolicy
 from ..compare._profile import saved_bytes
+from ..engine.selection import ActivationPolicy
 from ..v2.context import DEFAULT_MIN_TENSOR_SIZE
 from .model import LayerCost, Link, Profile
 

@@ -4,8 +4,8 @@
 Importable directly whatever ``NVTE_CPU_OFFLOAD_V1`` says.
 """
 
-from .._selection import mark_activation_offload, mark_not_offload
-from .._state import is_cpu_offload_enabled, is_current_layer_offloaded
+from ..engine.active import is_cpu_offload_enabled, is_current_layer_offloaded
+from ..engine.selection import mark_activation_offload, mark_not_offload
 from .context import (
     CpuOffloadHookWithOffloadHandler,
     CpuOffloadSavedTensorHook,

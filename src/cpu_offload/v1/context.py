@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from types import TracebackType
 from typing import Any
 
 import torch
 
 from .._args import activations_requested, check_bool, check_int
-from .._selection import is_marked_for_offload
-from .._state import ActiveHooks, ContextOwner
-from .._transport import Transport, resolve_transport
+from ..engine.active import ActiveHooks
+from ..engine.context import OffloadContextBase
+from ..engine.selection import is_marked_for_offload
+from ..engine.transport import Transport, resolve_transport
 from .handlers import AsyncDoubleBufferGroupOffloadHandler, OffloadHandler
 
 __all__ = [
@@ -24,7 +24,7 @@ __all__ = [
 ]
 
 
-class CpuOffloadSavedTensorHook:
+class CpuOffloadSavedTensorHook(OffloadContextBase):
     """Context manager that routes tensors saved for backward through two methods.
 
     Subclasses implement :meth:`on_save_for_backward` (returns what autograd keeps) and
@@ -33,11 +33,6 @@ class CpuOffloadSavedTensorHook:
     Attributes:
         inside_context: True only inside the ``with`` block.
     """
-
-    def __init__(self) -> None:
-        self.inside_context = False
-        self._hooks: ActiveHooks | None = None
-        self._owner = ContextOwner()
 
     def on_save_for_backward(self, tensor: torch.Tensor) -> Any:
         """Called with each tensor saved for backward."""
@@ -51,48 +46,16 @@ class CpuOffloadSavedTensorHook:
             "on_get_saved_tensor is not implemented in CpuOffloadSavedTensorHook; subclass it"
         )
 
-    def is_current_layer_offloaded(self) -> bool:
-        return False
-
-    def _abort(self) -> None:
-        """Called when an exception leaves the ``with`` block."""
-
     def _on_enter(self) -> None:
         """Called when the ``with`` block begins, before the hooks are installed."""
 
-    def _on_exit(self) -> None:
-        """Called when the ``with`` block ends without an exception."""
+    def _open(self) -> ActiveHooks:
+        self._on_enter()
+        return ActiveHooks(self, self.on_save_for_backward, self.on_get_saved_tensor)
 
     def __enter__(self) -> CpuOffloadSavedTensorHook:
-        owner = self._owner
-        owner.claim(False)
-        try:
-            self._on_enter()
-            hooks = ActiveHooks(self, self.on_save_for_backward, self.on_get_saved_tensor)
-            hooks.__enter__()  # last step: nothing after it can fail
-        except BaseException:
-            owner.release()
-            raise
-        self._hooks = hooks
-        self.inside_context = True
+        super().__enter__()
         return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.inside_context = False
-        self._owner.release()
-        hooks, self._hooks = self._hooks, None
-        if hooks is None:
-            return
-        hooks.__exit__(exc_type, exc, tb)
-        if exc_type is not None:
-            self._abort()
-        else:
-            self._on_exit()
 
 
 class CpuOffloadHookWithOffloadHandler(CpuOffloadSavedTensorHook):

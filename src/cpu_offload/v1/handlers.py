@@ -8,10 +8,11 @@ from typing import Any
 import torch
 
 from .._compat import queue_backward_callback
-from .._tensor_group import TensorGroupProcessor
-from .._transport import CudaTransport, Transport, is_dense, resolve_transport
 from .._warn import warn_at_caller
-from ..v2.layer_state import LayerPhase, OffloadableLayerState
+from ..engine.layer_state import LayerPhase, OffloadableLayerState
+from ..engine.selection import is_dense
+from ..engine.tensor_group import TensorGroupProcessor
+from ..engine.transport import CudaTransport, Transport, resolve_transport
 
 __all__ = [
     "AsyncDoubleBufferGroupOffloadHandler",

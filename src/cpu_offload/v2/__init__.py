@@ -4,10 +4,10 @@ manual synchronization for pipelines, tensor-group processing and CUDA graphs.
 Importable directly whatever ``NVTE_CPU_OFFLOAD_V1`` says.
 """
 
-from .._selection import mark_activation_offload, mark_not_offload
-from .._state import is_cpu_offload_enabled, is_current_layer_offloaded
+from ..engine.active import is_cpu_offload_enabled, is_current_layer_offloaded
+from ..engine.layer_state import OffloadableLayerState
+from ..engine.selection import mark_activation_offload, mark_not_offload
 from .context import OffloadContext, SyncFunction, get_cpu_offload_context, start_offload
-from .layer_state import OffloadableLayerState
 from .schedule import default_synchronization_dict, validate_synchronization_dict
 from .synchronizer import DefaultOffloadSynchronizer, ManualOffloadSynchronizer, OffloadSynchronizer
 

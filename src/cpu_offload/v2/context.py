@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import contextlib
-from types import TracebackType
 from typing import Any
 
 import torch
 
 from .._args import activations_requested, check_bool, check_int
-from .._selection import ActivationPolicy
-from .._state import ActiveHooks, ContextOwner, active_context
-from .._transport import Transport, resolve_transport
 from .._warn import warn_at_caller
+from ..engine.active import ActiveHooks, active_context
+from ..engine.context import OffloadContextBase
+from ..engine.selection import ActivationPolicy
+from ..engine.transport import Transport, resolve_transport
 from .schedule import (
     check_layer_counts,
     default_synchronization_dict,
@@ -30,7 +30,7 @@ def _identity(tensor: Any) -> Any:
     return tensor
 
 
-class OffloadContext:
+class OffloadContext(OffloadContextBase):
     """Wraps one layer's forward: saved tensors go through the synchronizer's hooks.
 
     Attributes:
@@ -39,13 +39,17 @@ class OffloadContext:
     """
 
     def __init__(self, synchronizer: OffloadSynchronizer) -> None:
+        super().__init__()
         self.offload_synchronizer = synchronizer
-        self.inside_context = False
         self.awaiting_sync = False  # a layer ran and sync_function has not been called
         self._refused = False  # the last __enter__ was refused for a missing sync
         self.layer_id: int | None = None
-        self._hooks: ActiveHooks | None = None
-        self._owner = ContextOwner()
+        self._counted = False  # the current `with` block counted a layer
+        # Made once and entered per layer: an offloaded layer's tensors go through the
+        # synchronizer; any other layer saves its tensors untouched, without hooks.
+        self._offload_hooks = ActiveHooks(self, synchronizer.pack_hook, synchronizer.pop_tensor)
+        self._hooks_of = synchronizer  # the synchronizer _offload_hooks call
+        self._plain_hooks = ActiveHooks(self)
 
     def is_current_layer_offloaded(self) -> bool:
         return self.layer_id is not None and self.offload_synchronizer.is_layer_offloaded(
@@ -53,15 +57,13 @@ class OffloadContext:
         )
 
     def __enter__(self) -> OffloadContext:
-        self._owner.claim(self.awaiting_sync)
-        try:
-            self._enter()
-        except BaseException:
-            self._owner.release()
-            raise
+        super().__enter__()
         return self
 
-    def _enter(self) -> None:
+    def _layer_pending(self) -> bool:
+        return self.awaiting_sync
+
+    def _open(self) -> ActiveHooks:
         if self.awaiting_sync:
             if not self._refused:
                 # Refused once; calling sync_function continues this iteration, while
@@ -78,10 +80,8 @@ class OffloadContext:
             self.offload_synchronizer.start_new_iteration()
         if not torch.is_grad_enabled():
             # Nothing is saved for backward: no layer is counted (evaluation loops).
-            self._hooks = ActiveHooks(self)
-            self._hooks.__enter__()
-            self.inside_context = True
-            return
+            self._counted = False
+            return self._plain_hooks
         sync = self.offload_synchronizer
         try:
             layer = sync.fwd_step()
@@ -89,26 +89,17 @@ class OffloadContext:
             # Leave nothing behind: the next forward starts a fresh iteration at layer 0.
             sync.start_new_iteration()
             raise
-        hooks = ActiveHooks(self, sync.pack_hook, sync.pop_tensor)
-        hooks.__enter__()  # last step: nothing after it can fail
-        self._hooks = hooks
+        if self._hooks_of is not sync:  # offload_synchronizer was replaced
+            self._offload_hooks = ActiveHooks(self, sync.pack_hook, sync.pop_tensor)
+            self._hooks_of = sync
+        # Nothing below can fail: the base class enters the hooks next.
+        self._counted = True
         self.layer_id = layer
         self.awaiting_sync = True
-        self.inside_context = True
+        return self._offload_hooks if sync.is_layer_offloaded(layer) else self._plain_hooks
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.inside_context = False
-        self._owner.release()
-        hooks, self._hooks = self._hooks, None
-        if hooks is None:
-            return
-        hooks.__exit__(exc_type, exc, tb)
-        if exc_type is not None and hooks.has_hooks:
+    def _abort(self) -> None:
+        if self._counted:
             # A failed layer (out of memory, say) ends the iteration: its buffers go,
             # and training that skips the batch continues exactly.
             self.awaiting_sync = False
@@ -183,6 +174,7 @@ def get_cpu_offload_context(
     synchronization_dict: dict[int, tuple[bool, int, bool, int]] | None = None,
     min_tensor_size_to_offload: int = DEFAULT_MIN_TENSOR_SIZE,
     transport: Transport | None = None,
+    duplex: bool = False,
 ) -> tuple[Any, Any] | tuple[Any, Any, ManualOffloadSynchronizer | None]:
     """Make the context and sync function that offload activations to host memory.
 
@@ -216,6 +208,13 @@ def get_cpu_offload_context(
         transport: What moves the bytes. By default the CUDA transport when CUDA is
             available, else the CPU stand-in (copies between CPU tensors), so that the
             same program runs and can be tested on a machine without a GPU.
+        duplex: Copy back to the GPU on a stream of its own, so that reloads never queue
+            behind offloads and both directions of the link run at once. The schedule's
+            points (and so the peak memory) are those of the default; reloads and
+            offloads overlap where the schedule lets a layer's reload start while
+            another's offload still runs (``synchronization_dict`` pipeline schedules,
+            manual synchronization). Ignored by the CPU stand-in, whose copies are
+            synchronous. Excludes ``transport`` (give that one a ``reload_stream``).
 
     Returns:
         ``(context, sync_function)``, or ``(context, sync_function, synchronizer)`` with
@@ -224,8 +223,8 @@ def get_cpu_offload_context(
     Raises:
         TypeError: If an argument has the wrong type.
         ValueError: If ``model_layers < 1``, ``num_layers`` is outside
-            ``[0, model_layers - 1]``, nothing is to be offloaded, or the
-            ``synchronization_dict`` is invalid.
+            ``[0, model_layers - 1]``, nothing is to be offloaded, the
+            ``synchronization_dict`` is invalid, or ``duplex`` is given with ``transport``.
 
     Example:
         >>> layers = [torch.nn.Linear(1024, 1024) for _ in range(4)]
@@ -244,6 +243,7 @@ def get_cpu_offload_context(
         ("double_buffering", double_buffering),
         ("manual_synchronization", manual_synchronization),
         ("retain_pinned_cpu_buffers", retain_pinned_cpu_buffers),
+        ("duplex", duplex),
     )
     for name, flag in flags:
         check_bool(name, flag)
@@ -294,7 +294,13 @@ def get_cpu_offload_context(
         k, _ = check_layer_counts(num_layers, model_layers)
         schedule = default_synchronization_dict(k, model_layers)
 
-    transport = resolve_transport(transport, offload_stream)
+    if duplex and transport is not None:
+        raise ValueError(
+            "duplex=True and transport= exclude each other: give the transport its own "
+            "reload stream (CudaTransport(stream, reload_stream=torch.cuda.Stream())) "
+            "or pass duplex=True without a transport"
+        )
+    transport = resolve_transport(transport, offload_stream, duplex)
     policy = ActivationPolicy(min_tensor_size_to_offload, transport.accepts)
     synchronizer: OffloadSynchronizer
     if manual_synchronization:

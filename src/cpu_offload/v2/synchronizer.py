@@ -13,11 +13,11 @@ from collections.abc import Callable
 import torch
 
 from .._args import check_bool, check_int
-from .._compat import capture_buffer_policy, is_current_stream_capturing, queue_backward_callback
-from .._tensor_group import TensorGroupProcessor
-from .._transport import CudaTransport, Transport, resolve_transport
+from .._compat import capture_buffer_policy, queue_backward_callback
 from .._warn import warn_at_caller
-from .layer_state import LayerPhase, OffloadableLayerState
+from ..engine.layer_state import LayerPhase, OffloadableLayerState
+from ..engine.tensor_group import TensorGroupProcessor
+from ..engine.transport import Transport, resolve_transport
 from .schedule import (
     Point,
     Schedule,
@@ -137,8 +137,8 @@ class OffloadSynchronizer:
             RuntimeError: When a CUDA graph is being captured below PyTorch 2.11 and
                 buffers are not retained (see :func:`cpu_offload._compat.capture_buffer_policy`).
         """
-        if isinstance(self.transport, CudaTransport):
-            capture_buffer_policy(self.retain_pinned_cpu_buffers, is_current_stream_capturing())
+        if not self.retain_pinned_cpu_buffers:
+            capture_buffer_policy(False, self.transport.capturing())
         if self._forwards == self.num_layers or self._backward_seen:
             self.start_new_iteration()
         layer = self._forwards
@@ -352,6 +352,18 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
                 )
             synchronization_dict = default_synchronization_dict(k, num_layers)
         self.schedule = Schedule(validate_synchronization_dict(synchronization_dict, num_layers))
+        # The work due at each point, indexed by layer: looked up twice per layer and
+        # iteration, so plain lists rather than dictionaries keyed by Point objects.
+        n = num_layers
+        self._offloaded = [i in self.schedule.offloaded for i in range(n)]
+        at_forward = [self._work_at(Point(True, i)) for i in range(n)]
+        at_backward = [self._work_at(Point(False, i)) for i in range(n)]
+        self._at_forward, self._at_backward = at_forward, at_backward
+
+    def _work_at(self, point: Point) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        finish = tuple(self.schedule.finish_at.get(point, ()))
+        reload = tuple(self.schedule.reload_at.get(point, ()))
+        return (finish, reload) if finish or reload else None
 
     def _check_forward_count(self) -> None:
         if self._forwards == self.num_layers:
@@ -366,29 +378,34 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
         )
 
     def _pushes_to(self, layer_id: int) -> bool:
-        return layer_id in self.schedule.offloaded
+        return self._offloaded[layer_id]
 
-    def _run_point(self, point: Point) -> None:
-        for layer in self.schedule.finish_at.get(point, ()):
+    def _run_point(self, work: tuple[tuple[int, ...], tuple[int, ...]]) -> None:
+        finish, reload = work
+        for layer in finish:
             state = self.layers[layer]
             if state.phase is LayerPhase.NOT_OFFLOADED and state.has_tensors:
                 state.start_offload()  # the layer's forward ended without a later fwd_step
             if state.phase is LayerPhase.OFFLOAD_STARTED:
                 state.release_activation_forward_gpu_memory()
-        for layer in self.schedule.reload_at.get(point, ()):
+        for layer in reload:
             if self.layers[layer].phase is LayerPhase.OFFLOAD_FINISHED:
                 self.layers[layer].start_reload()
 
     def _on_forward_start(self, layer_id: int) -> None:
-        self._run_point(Point(True, layer_id))
+        work = self._at_forward[layer_id]
+        if work is not None:
+            self._run_point(work)
 
     def _on_forward_end(self, layer_id: int) -> None:
         state = self.layers[layer_id]
-        if layer_id in self.schedule.offloaded and state.phase is LayerPhase.NOT_OFFLOADED:
+        if self._offloaded[layer_id] and state.phase is LayerPhase.NOT_OFFLOADED:
             state.start_offload()
 
     def _on_backward_start(self, layer_id: int) -> None:
-        self._run_point(Point(False, layer_id))
+        work = self._at_backward[layer_id]
+        if work is not None:
+            self._run_point(work)
 
 
 class ManualOffloadSynchronizer(OffloadSynchronizer):

@@ -17,65 +17,20 @@ so that a steady-state step allocates no new pinned memory.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from .layout import TensorLayout
 
 __all__ = [
     "CudaTransport",
     "HostBufferPool",
     "HostTransport",
-    "TensorLayout",
     "TimedSpan",
     "Transport",
 ]
-
-
-@dataclass(frozen=True)
-class TensorLayout:
-    """Size, strides and dtype of a dense (non-overlapping) tensor."""
-
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: torch.dtype
-
-    @classmethod
-    def of(cls, tensor: torch.Tensor) -> TensorLayout:
-        return cls(tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for s in self.size:
-            n *= s
-        return n
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * _itemsize(self.dtype)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return dtype.itemsize
-
-
-def is_dense(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor``'s elements fill a contiguous block of memory without overlap.
-
-    True for contiguous tensors and for permutations of contiguous tensors (the layouts
-    attention kernels allocate), so that a buffer with the same strides holds exactly
-    ``numel`` elements and a straight memory copy moves it.
-    """
-    expected = 1
-    dims = sorted(
-        ((st, sz) for st, sz in zip(tensor.stride(), tensor.shape, strict=True) if sz != 1),
-    )
-    for st, sz in dims:
-        if st != expected:
-            return False
-        expected *= sz
-    return True
 
 
 class HostBufferPool:
@@ -137,7 +92,11 @@ class HostBufferPool:
     @staticmethod
     def view(buffer: torch.Tensor, layout: TensorLayout) -> torch.Tensor:
         """``buffer`` seen as a tensor of ``layout`` (same strides as the device tensor)."""
-        return buffer[: layout.nbytes].view(layout.dtype).as_strided(layout.size, layout.stride)
+        # Pool buffers are multiples of 512 bytes (see size_class), so the whole buffer
+        # reinterprets as any dtype: one view and one as_strided, no slice.
+        if buffer.numel() % layout.dtype.itemsize:
+            buffer = buffer[: layout.nbytes]
+        return buffer.view(layout.dtype).as_strided(layout.size, layout.stride)
 
 
 @dataclass(frozen=True)
@@ -167,6 +126,8 @@ class Transport(ABC):
         #: When a list, each copy and each compute-stream wait is recorded in it with
         #: timing events (for the comparison tool's bandwidth, stall and timeline).
         self.timeline: list[TimedSpan] | None = None
+        #: Host buffer address -> the event of the last reload copy that read it.
+        self._read_until: dict[int, object] = {}
 
     @abstractmethod
     def accepts(self, tensor: torch.Tensor) -> bool:
@@ -206,6 +167,72 @@ class Transport(ABC):
     def reload(self, src: torch.Tensor, dst: torch.Tensor) -> object | None:
         """Copy host tensor ``src`` into device tensor ``dst`` (from :meth:`allocate`)."""
 
+    def capturing(self) -> bool:
+        """Whether a CUDA graph is being captured on the current stream."""
+        return False
+
+    @property
+    def duplex(self) -> bool:
+        """Whether reloads run on a stream of their own (both directions copy at once)."""
+        return False
+
+    def host_read_until(self, buffer: torch.Tensor, event: object | None) -> None:
+        """Record that a reload copy reads host ``buffer`` until ``event``.
+
+        Called when the buffer is given back (to the pool, or kept for the next
+        iteration): with a separate reload stream, a later offload that writes into it
+        must not overtake that read (:meth:`pending_host_read`). Nothing is kept where
+        both directions share one stream, whose copies run in the order queued, nor
+        while a CUDA graph is captured (its events belong to the graph, which joins
+        every stream back at its end).
+        """
+        if self.duplex and event is not None and not self.capturing():
+            self._read_until[buffer.data_ptr()] = event
+
+    def pending_host_read(self, dst: torch.Tensor) -> object | None:
+        """The event an offload into ``dst`` must wait for first, once (then forgotten)."""
+        if not self._read_until:
+            return None
+        return self._read_until.pop(dst.data_ptr(), None)
+
+    def offload_all(
+        self, copies: Sequence[tuple[torch.Tensor, object | None, torch.Tensor]]
+    ) -> list[object | None]:
+        """Queue the offload copies of one layer: ``(src, ready, dst)`` as for :meth:`offload`.
+
+        Returns one event per copy; copies queued together may share one event (the
+        caller waits for each distinct event once). If queuing fails part-way, the
+        compute stream waits for the copies already queued before the error propagates,
+        so that no memory is reused under a running copy.
+        """
+        events: list[object | None] = []
+        try:
+            for src, ready, dst in copies:
+                events.append(self.offload(src, ready, dst))
+        except BaseException:
+            for event in events:
+                self.wait(event)
+            raise
+        return events
+
+    def reload_all(
+        self, copies: Sequence[tuple[torch.Tensor, torch.Tensor]]
+    ) -> list[object | None]:
+        """Queue the reload copies of one layer: ``(src, dst)`` as for :meth:`reload`.
+
+        Returns one event per copy, so that each tensor's first use waits only for its own
+        copy. Fails as :meth:`offload_all` does.
+        """
+        events: list[object | None] = []
+        try:
+            for src, dst in copies:
+                events.append(self.reload(src, dst))
+        except BaseException:
+            for event in events:
+                self.wait(event)
+            raise
+        return events
+
 
 class CudaTransport(Transport):
     """Copies on a dedicated CUDA stream, ordered by CUDA events.
@@ -214,7 +241,9 @@ class CudaTransport(Transport):
         stream: The copy stream; a new one is created on the current device if None.
         pool: Host buffer pool; a new pinned pool if None.
         reload_stream: A separate stream for host-to-device copies, so that both
-            directions run at once; the same stream as ``stream`` if None.
+            directions run at once (the duplex schedule); the same stream as
+            ``stream`` if None. A host buffer is then written by an offload only after
+            the reload that last read it has finished.
 
     Raises:
         RuntimeError: If CUDA is not available.
@@ -236,12 +265,24 @@ class CudaTransport(Transport):
             raise TypeError(
                 f"offload_stream must be a torch.cuda.Stream or None, got {type(stream).__name__}"
             )
+        if reload_stream is not None and not isinstance(reload_stream, torch.cuda.Stream):
+            raise TypeError(
+                "reload_stream must be a torch.cuda.Stream or None, got "
+                f"{type(reload_stream).__name__}"
+            )
         super().__init__(pool if pool is not None else HostBufferPool(pin_memory=True))
         self.stream = stream if stream is not None else torch.cuda.Stream()
         self.reload_stream = reload_stream if reload_stream is not None else self.stream
 
+    @property
+    def duplex(self) -> bool:
+        return self.reload_stream is not self.stream
+
     def accepts(self, tensor: torch.Tensor) -> bool:
         return tensor.is_cuda
+
+    def capturing(self) -> bool:
+        return torch.cuda.is_current_stream_capturing()
 
     def record(self) -> torch.cuda.Event:
         event = torch.cuda.Event()
@@ -282,12 +323,21 @@ class CudaTransport(Transport):
             self.timeline.append(TimedSpan(kind, nbytes, start, done))
         return done, nbytes
 
+    def _wait_for_host_reads(self, dst: torch.Tensor) -> None:
+        # With a separate reload stream, a host buffer given back while its reload copy
+        # still ran could be written by this offload first: wait for that read.
+        read = self.pending_host_read(dst)
+        if read is not None:
+            assert isinstance(read, torch.cuda.Event)
+            self.stream.wait_event(read)
+
     def offload(
         self, src: torch.Tensor, ready: object | None, dst: torch.Tensor
     ) -> torch.cuda.Event:
         if ready is not None:
             assert isinstance(ready, torch.cuda.Event)
             self.stream.wait_event(ready)
+        self._wait_for_host_reads(dst)
         done, nbytes = self._copy("offload", self.stream, src, dst)
         self.bytes_offloaded += nbytes
         return done
@@ -302,6 +352,55 @@ class CudaTransport(Transport):
         done, nbytes = self._copy("reload", self.reload_stream, src, dst)
         self.bytes_reloaded += nbytes
         return done
+
+    def offload_all(
+        self, copies: Sequence[tuple[torch.Tensor, object | None, torch.Tensor]]
+    ) -> list[object | None]:
+        if self.timeline is not None:  # per-copy timing events: one copy at a time
+            return super().offload_all(copies)
+        # One stream switch and one completion event for the layer: a layer's memory is
+        # released only once all its copies are done, so per-copy events would only
+        # cost host time. Each copy still waits for the point its tensor was saved at.
+        stream = self.stream
+        done = torch.cuda.Event()
+        waited: object | None = None
+        try:
+            with torch.cuda.stream(stream):
+                for src, ready, dst in copies:
+                    if ready is not None and ready is not waited:
+                        stream.wait_event(ready)  # type: ignore[arg-type]
+                        waited = ready
+                    self._wait_for_host_reads(dst)
+                    dst.copy_(src, non_blocking=True)
+                    self.bytes_offloaded += dst.nbytes
+        except BaseException:
+            done.record(stream)
+            torch.cuda.current_stream().wait_event(done)
+            raise
+        done.record(stream)
+        return [done] * len(copies)
+
+    def reload_all(
+        self, copies: Sequence[tuple[torch.Tensor, torch.Tensor]]
+    ) -> list[object | None]:
+        if self.timeline is not None:
+            return super().reload_all(copies)
+        stream = self.reload_stream
+        # The buffers were allocated on the compute stream (see reload): one wait for all.
+        stream.wait_stream(torch.cuda.current_stream())
+        events: list[object | None] = []
+        try:
+            with torch.cuda.stream(stream):
+                for src, dst in copies:
+                    dst.copy_(src, non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                    events.append(event)
+                    self.bytes_reloaded += dst.nbytes
+        except BaseException:
+            torch.cuda.current_stream().wait_stream(stream)
+            raise
+        return events
 
 
 class HostTransport(Transport):
@@ -349,15 +448,15 @@ class HostTransport(Transport):
 
 
 def resolve_transport(
-    transport: object, offload_stream: torch.cuda.Stream | None = None
+    transport: object, offload_stream: torch.cuda.Stream | None = None, duplex: bool = False
 ) -> Transport:
-    """``transport`` checked, or the default one when it is None.
+    """``transport`` checked, or the default one (see :func:`default_transport`) when None.
 
     Raises:
         TypeError: If ``transport`` is neither None nor a :class:`Transport`.
     """
     if transport is None:
-        return default_transport(offload_stream)
+        return default_transport(offload_stream, duplex)
     if not isinstance(transport, Transport):
         raise TypeError(
             "transport must be a cpu_offload Transport (CudaTransport or HostTransport) or "
@@ -366,15 +465,19 @@ def resolve_transport(
     return transport
 
 
-def default_transport(offload_stream: torch.cuda.Stream | None = None) -> Transport:
+def default_transport(
+    offload_stream: torch.cuda.Stream | None = None, duplex: bool = False
+) -> Transport:
     """The transport used when the caller names none.
 
-    :class:`CudaTransport` when CUDA is available. Without CUDA there are no CUDA
-    tensors to offload, and the CPU stand-in runs the same logic on CPU tensors so that
-    programs written for the GPU still run (and can be tested) on a CPU-only machine.
+    :class:`CudaTransport` when CUDA is available, with a separate reload stream if
+    ``duplex``. Without CUDA there are no CUDA tensors to offload, and the CPU stand-in
+    runs the same logic on CPU tensors so that programs written for the GPU still run
+    (and can be tested) on a CPU-only machine; its copies are synchronous, so ``duplex``
+    changes nothing there.
     """
     if torch.cuda.is_available():
-        return CudaTransport(offload_stream)
+        return CudaTransport(offload_stream, reload_stream=torch.cuda.Stream() if duplex else None)
     if offload_stream is not None:
         raise TypeError("offload_stream was given but CUDA is not available")
     return HostTransport()

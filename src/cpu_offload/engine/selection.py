@@ -1,4 +1,5 @@
-"""Which saved tensors are offloaded: the marks users set and the selection policies.
+"""Which saved tensors are offloaded: the marks users set, the selection policies, and
+which memory layouts can be copied whole and rebuilt exactly (:func:`is_dense`).
 
 Marks are attributes on tensors, so that they travel with the tensor into autograd's
 saved-tensor hooks:
@@ -15,10 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ._compat import is_fake_or_functional
+from .._compat import is_fake_or_functional
 
 __all__ = [
     "ActivationPolicy",
+    "is_dense",
     "is_marked_for_offload",
     "is_marked_not_offload",
     "mark_activation_offload",
@@ -115,8 +117,14 @@ def is_marked_not_offload(tensor: torch.Tensor) -> bool:
 
 def _is_weight(tensor: torch.Tensor) -> bool:
     # Layers save views of their weights (Linear saves weight.t()): those are weights too.
+    # ``isinstance(t, Parameter)`` goes through Parameter's metaclass (slow, and asked for
+    # every saved tensor); the exact-type test answers for plain tensors first.
     for t in (tensor, tensor._base):
-        if t is not None and (isinstance(t, torch.nn.Parameter) or getattr(t, "is_weight", False)):
+        if t is None:
+            continue
+        if type(t) is not torch.Tensor and isinstance(t, torch.nn.Parameter):
+            return True
+        if getattr(t, "is_weight", False):
             return True
     return False
 
@@ -152,9 +160,10 @@ class ActivationPolicy:
     on_device: Callable[[torch.Tensor], bool]
 
     def __call__(self, tensor: torch.Tensor) -> bool:
+        # Cheapest test first: most tensors a layer saves are small.
         return (
-            self.on_device(tensor)
-            and tensor.numel() >= self.min_numel
+            tensor.numel() >= self.min_numel
+            and self.on_device(tensor)
             and not _never_offloaded(tensor)
         )
 
@@ -170,3 +179,21 @@ def is_marked_for_offload(tensor: torch.Tensor) -> bool:
         tensor._base is not None and getattr(tensor._base, _ACTIVATION_ATTR, False)
     )
     return bool(marked) and not _never_offloaded(tensor)
+
+
+def is_dense(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s elements fill a contiguous block of memory without overlap.
+
+    True for contiguous tensors and for permutations of contiguous tensors (the layouts
+    attention kernels allocate), so that a buffer with the same strides holds exactly
+    ``numel`` elements and a straight memory copy moves it.
+    """
+    expected = 1
+    dims = sorted(
+        ((st, sz) for st, sz in zip(tensor.stride(), tensor.shape, strict=True) if sz != 1),
+    )
+    for st, sz in dims:
+        if st != expected:
+            return False
+        expected *= sz
+    return True

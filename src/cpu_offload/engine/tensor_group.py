@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._transport import TensorLayout, is_dense
-from ._warn import warn_at_caller
+from .._warn import warn_at_caller
+from .layout import TensorLayout
+from .selection import is_dense
 
 __all__ = ["GroupPlan", "SavedEntry", "TensorGroupProcessor", "Unit"]
 
@@ -35,7 +36,7 @@ __all__ = ["GroupPlan", "SavedEntry", "TensorGroupProcessor", "Unit"]
 _BASE_COVERAGE = 0.5
 
 
-@dataclass
+@dataclass(slots=True)  # made per saved tensor: slots make it cheaper
 class SavedEntry:
     """One tensor pushed by autograd, with the event marking when it was complete."""
 
@@ -52,7 +53,7 @@ class SavedEntry:
     weak: weakref.ref[torch.Tensor] | None = None
 
 
-@dataclass
+@dataclass(slots=True)  # made per saved tensor: slots make it cheaper
 class Unit:
     """A dense block moved by one copy each way."""
 
@@ -62,6 +63,7 @@ class Unit:
     ready: object | None
     ready_seq: int
     host: torch.Tensor | None = None  # raw host buffer
+    host_view: torch.Tensor | None = None  # the buffer seen with the unit's layout
     copied: object | None = None  # event: offload copy done
     reloaded: torch.Tensor | None = None
     restored: object | None = None  # event: reload copy done
@@ -77,7 +79,7 @@ class Unit:
         return self.layout.nbytes
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _UnitRef:
     unit: int
     view: tuple[tuple[int, ...], tuple[int, ...], int] | None  # size, stride, offset
@@ -127,22 +129,19 @@ def _is_wrapper(tensor: torch.Tensor) -> bool:
 
 
 def _storage_key(t: torch.Tensor) -> tuple[object, ...]:
-    return (
-        t.device,
-        t.untyped_storage().data_ptr(),
-        t.storage_offset(),
-        tuple(t.shape),
-        t.stride(),
-        t.dtype,
-    )
+    # The address of the first element, with shape, strides and dtype, names one view of
+    # one memory (two live storages never share an address). ``data_ptr()`` is used
+    # rather than the storage's address and offset: it costs no storage object.
+    return (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
 
 
-@dataclass
+@dataclass(slots=True)  # made per saved tensor: slots make it cheaper
 class _Leaf:
     tensor: torch.Tensor
     ready: object | None
     seq: int
     force_base: bool
+    key: tuple[object, ...] = ()
 
 
 class TensorGroupProcessor:
@@ -166,7 +165,8 @@ class TensorGroupProcessor:
         canonical: dict[tuple[object, ...], int] = {}
         alias: list[int] = []
         for i, leaf in enumerate(leaves):
-            j = canonical.setdefault(_storage_key(leaf.tensor), i)
+            leaf.key = _storage_key(leaf.tensor)
+            j = canonical.setdefault(leaf.key, i)
             if j != i:  # the later save decides when the shared copy may start
                 if leaf.seq > leaves[j].seq:
                     leaves[j].ready, leaves[j].seq = leaf.ready, leaf.seq
@@ -177,8 +177,11 @@ class TensorGroupProcessor:
         roots: dict[tuple[object, ...], tuple[torch.Tensor, list[int]]] = {}
         for i in sorted(set(alias)):
             t = leaves[i].tensor
-            root = t._base if t._base is not None else t
-            roots.setdefault(_storage_key(root), (root, []))[1].append(i)
+            base = t._base
+            if base is None:
+                roots.setdefault(leaves[i].key, (t, []))[1].append(i)
+            else:
+                roots.setdefault(_storage_key(base), (base, []))[1].append(i)
 
         plan = GroupPlan()
         leaf_refs: dict[int, _Ref] = {}
@@ -222,6 +225,13 @@ class TensorGroupProcessor:
     ) -> dict[int, _Ref]:
         refs: dict[int, _Ref] = {}
         tensors = [leaves[i].tensor for i in members]
+        if len(members) == 1 and tensors[0] is root:
+            # The common case (a tensor saved as itself, not a view): no grouping to decide.
+            t = tensors[0]
+            if is_dense(t):
+                return {members[0]: _UnitRef(self._add_unit(plan, t, leaves[members[0]]), None)}
+            self._warn_kept(t)
+            return {members[0]: _KeptRef(t)}
         root_key = _storage_key(root)
         same_dtype = all(t.dtype == root.dtype for t in tensors)
         covered = sum(t.numel() for t in tensors)
@@ -229,7 +239,7 @@ class TensorGroupProcessor:
             is_dense(root)
             and same_dtype
             and (
-                any(_storage_key(t) == root_key for t in tensors)
+                any(leaves[i].key == root_key for i in members)
                 or any(leaves[i].force_base for i in members)
                 or (
                     (len(tensors) > 1 or not all(is_dense(t) for t in tensors))
@@ -242,7 +252,7 @@ class TensorGroupProcessor:
             u = self._add_unit(plan, root, ready_leaf)
             for i, t in zip(members, tensors, strict=True):
                 view = None
-                if _storage_key(t) != root_key:
+                if leaves[i].key != root_key:
                     view = (
                         tuple(t.shape),
                         t.stride(),

@@ -4,19 +4,14 @@ from __future__ import annotations
 
 import enum
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 
 import torch
 
-from .._compat import is_current_stream_capturing, pinned_alloc_in_capture_supported
-from .._tensor_group import GroupPlan, SavedEntry, TensorGroupProcessor, Unit
-from .._transport import (
-    CudaTransport,
-    HostBufferPool,
-    TensorLayout,
-    Transport,
-    resolve_transport,
-)
+from .._compat import pinned_alloc_in_capture_supported
+from .layout import TensorLayout
+from .tensor_group import GroupPlan, SavedEntry, TensorGroupProcessor, Unit
+from .transport import HostBufferPool, Transport, resolve_transport
 
 __all__ = ["LayerPhase", "OffloadableLayerState"]
 
@@ -113,14 +108,16 @@ class OffloadableLayerState:
         Returns:
             An int id if the tensor is a candidate for offloading, else the tensor itself.
         """
-        self._expect("push_tensor", LayerPhase.NOT_OFFLOADED)
+        if self.phase is not LayerPhase.NOT_OFFLOADED:
+            self._expect("push_tensor", LayerPhase.NOT_OFFLOADED)
         if not self.policy(tensor):
             return tensor
         self._seq += 1
-        self._entries.append(
+        entries = self._entries
+        entries.append(
             SavedEntry(tensor, self.transport.record(), self._seq, force_base, tensor._version)
         )
-        return len(self._entries) - 1
+        return len(entries) - 1
 
     def mark_ready(self, tensors: Iterable[torch.Tensor], offload_base_tensor: bool) -> None:
         """Record that ``tensors`` are complete now (see :func:`cpu_offload.start_offload`)."""
@@ -145,6 +142,10 @@ class OffloadableLayerState:
             RuntimeError: In the wrong state, or when retained buffers no longer fit.
         """
         self._expect("start_offload", LayerPhase.NOT_OFFLOADED)
+        if not self._entries:  # nothing saved: nothing to group, buffer or copy
+            self._plan = GroupPlan()
+            self.phase = LayerPhase.OFFLOAD_STARTED
+            return
         for entry in self._entries:
             # Modified in place since it was saved: backward must fail as without offloading.
             entry.keep = entry.tensor._version != entry.version
@@ -154,15 +155,20 @@ class OffloadableLayerState:
         # up by release_all_memory (which waits for the copies already queued).
         self._plan = plan
         self.phase = LayerPhase.OFFLOAD_STARTED
+        copies = []
         for unit, buf in zip(plan.units, buffers, strict=True):
             unit.host = buf
+            unit.host_view = HostBufferPool.view(buf, unit.layout)  # made once, used twice
             assert unit.tensor is not None
-            dst = HostBufferPool.view(buf, unit.layout)
-            unit.copied = self.transport.offload(unit.tensor, unit.ready, dst)
+            copies.append((unit.tensor, unit.ready, unit.host_view))
+        # All copies of the layer in one call: one stream switch, not one per tensor.
+        events = self.transport.offload_all(copies)
+        for unit, event in zip(plan.units, events, strict=True):
+            unit.copied = event
 
     def _host_buffers(self, units: list[Unit]) -> list[torch.Tensor]:
         pool = self.transport.pool
-        capturing = isinstance(self.transport, CudaTransport) and is_current_stream_capturing()
+        capturing = self.transport.capturing()
         if not self.retain_pinned_cpu_buffers:
             buffers = [pool.acquire(u.nbytes) for u in units]
             if capturing:
@@ -199,8 +205,11 @@ class OffloadableLayerState:
         """
         self._expect("release_activation_forward_gpu_memory", LayerPhase.OFFLOAD_STARTED)
         assert self._plan is not None
+        waited: object | None = None
         for unit in self._plan.units:
-            self.transport.wait(unit.copied)
+            if unit.copied is not waited:  # copies queued together share one event
+                self.transport.wait(unit.copied)
+                waited = unit.copied
             unit.tensor = None
         # The pushed entries are the last references to the offloaded device memory.
         for i, entry in enumerate(self._entries):
@@ -227,31 +236,40 @@ class OffloadableLayerState:
         """
         self._expect("start_reload", LayerPhase.OFFLOAD_FINISHED)
         assert self._plan is not None
-        for i, unit in enumerate(self._plan.units):
-            buf = device_buffers[i] if device_buffers and i < len(device_buffers) else None
-            self._reload_unit(unit, buf)
+        units = self._plan.units
+        buffers = device_buffers or []
+        self._reload_units(
+            units, [buffers[i] if i < len(buffers) else None for i in range(len(units))]
+        )
         self.phase = LayerPhase.RELOAD_STARTED
 
-    def _reload_unit(self, unit: Unit, buffer: torch.Tensor | None = None) -> None:
-        assert unit.host is not None
-        if buffer is not None and TensorLayout.of(buffer) == unit.layout:
-            unit.reloaded = buffer
-        else:
-            unit.reloaded = self.transport.allocate(unit.layout, unit.device)
-        unit.restored = self.transport.reload(
-            HostBufferPool.view(unit.host, unit.layout), unit.reloaded
-        )
-        unit.home = self.transport.current_stream()
-        unit.waited = set()
+    def _reload_units(self, units: list[Unit], buffers: list[torch.Tensor | None]) -> None:
+        # Every buffer is allocated before any copy is queued (an allocation that fails
+        # leaves no copy running), then the copies go in one call.
+        transport = self.transport
+        copies = []
+        for unit, buffer in zip(units, buffers, strict=True):
+            assert unit.host is not None
+            if buffer is not None and TensorLayout.of(buffer) == unit.layout:
+                unit.reloaded = buffer
+            else:
+                unit.reloaded = transport.allocate(unit.layout, unit.device)
+            assert unit.host_view is not None
+            copies.append((unit.host_view, unit.reloaded))
+        events = transport.reload_all(copies)
+        home = transport.current_stream()
+        for unit, event in zip(units, events, strict=True):
+            unit.restored = event
+            unit.home = home
+            unit.waited = set()
 
-    def _join_reload(self, unit: Unit, *, reads: bool = False) -> None:
-        """Make the current stream wait for ``unit``'s reload copy, once per stream.
+    def _join_reload(self, unit: Unit, stream: Hashable, *, reads: bool = False) -> None:
+        """Make ``stream`` (the current one) wait for ``unit``'s reload copy, once.
 
         ``reads``: the current stream is about to read the reloaded tensor.
         """
         if unit.restored is None:
             return
-        stream = self.transport.current_stream()
         if stream not in unit.waited:
             self.transport.wait(unit.restored)
             unit.waited.add(stream)
@@ -269,29 +287,33 @@ class OffloadableLayerState:
         """
         if isinstance(tensor_or_id, torch.Tensor):
             return tensor_or_id
-        self._expect("pop_tensor", LayerPhase.NOT_OFFLOADED, LayerPhase.RELOAD_STARTED)
+        phase = self.phase
+        if phase is not LayerPhase.RELOAD_STARTED and phase is not LayerPhase.NOT_OFFLOADED:
+            self._expect("pop_tensor", LayerPhase.NOT_OFFLOADED, LayerPhase.RELOAD_STARTED)
         if not 0 <= tensor_or_id < len(self._entries):
             raise RuntimeError(
                 f"{self.name} holds no saved tensor {tensor_or_id}: its memory was released "
                 "(a new iteration started, or backward ran twice over the same graph)"
             )
         self._check_version(tensor_or_id)
-        if self.phase is LayerPhase.NOT_OFFLOADED:
+        if phase is LayerPhase.NOT_OFFLOADED:
             return self._entries[tensor_or_id].tensor
-        assert self._plan is not None
-        ref = self._plan.refs[tensor_or_id]
-        unit_ids = self._plan.unit_ids(ref)
+        plan = self._plan
+        assert plan is not None
+        ref = plan.refs[tensor_or_id]
+        unit_ids = plan.unit_ids(ref)
+        stream = self.transport.current_stream() if unit_ids else None
         for u in unit_ids:
-            unit = self._plan.units[u]
+            unit = plan.units[u]
             if unit.reloaded is None:
                 # Read more often than it was saved (a custom Function reading
                 # ctx.saved_tensors twice): the host copy is still here, copy it again.
-                self._reload_unit(unit)
+                self._reload_units([unit], [None])
                 unit.pending_pops += 1
-            self._join_reload(unit, reads=True)
-        out = self.processor.restore(self._plan, ref)
+            self._join_reload(unit, stream, reads=True)
+        out = self.processor.restore(plan, ref)
         for u in unit_ids:
-            unit = self._plan.units[u]
+            unit = plan.units[u]
             unit.pending_pops -= 1
             if unit.pending_pops <= 0:
                 # Autograd now holds the only references it needs: drop ours so the
@@ -318,8 +340,9 @@ class OffloadableLayerState:
         """
         if self._plan is None:
             return
+        stream = self.transport.current_stream()
         for unit in self._plan.units:
-            self._join_reload(unit)
+            self._join_reload(unit, stream)
 
     def release_all_memory(self) -> None:
         """Drop every tensor of this layer; host buffers go back to the pool unless retained.
@@ -328,17 +351,22 @@ class OffloadableLayerState:
         stream, not the host), so memory is never reused under a running copy.
         """
         if self._plan is not None:
+            stream = self.transport.current_stream()
+            waited: object | None = None
             for unit in self._plan.units:
-                if unit.tensor is not None:
+                if unit.tensor is not None and unit.copied is not waited:
                     self.transport.wait(unit.copied)
-                self._join_reload(unit)
+                    waited = unit.copied
+                self._join_reload(unit, stream)
+                if unit.host is not None and unit.restored is not None:
+                    self.transport.host_read_until(unit.host, unit.restored)
                 if (
                     unit.host is not None
                     and not self.retain_pinned_cpu_buffers
                     and not any(unit.host is b for b in self._captured)
                 ):
                     self.transport.pool.release(unit.host)
-                unit.host = unit.tensor = unit.reloaded = None
+                unit.host = unit.host_view = unit.tensor = unit.reloaded = None
         self._plan = None
         self._entries = []
         self.phase = LayerPhase.NOT_OFFLOADED

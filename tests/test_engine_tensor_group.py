@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from cpu_offload import HostTransport, mark_not_offload, start_offload, v2
-from cpu_offload._tensor_group import SavedEntry, TensorGroupProcessor
+from cpu_offload.engine.tensor_group import SavedEntry, TensorGroupProcessor
 
 _KEPT = "stays on the GPU"
 

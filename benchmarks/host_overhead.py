@@ -1,0 +1,313 @@
+"""Host time of V2 offloading: per saved tensor, per layer, and per step of a model.
+
+Offloading is worth its price only if the Python that drives it costs little next to the
+step: this benchmark measures that price, on the GPU or on the CPU stand-in.
+
+* **engine**: one synchronizer with the default schedule driven through whole iterations
+  (forward steps, saves, copies, releases, reloads, loads, end of backward) with no model
+  around it and tiny tensors, so that only host time is measured. ``per tensor`` is the
+  cost of one offloaded tensor's round trip, ``per layer`` the cost of one layer's steps
+  with nothing saved.
+* **model**: the GPT stack of ``cpu-offload compare`` (on CUDA its default model: 8 layers,
+  hidden 2048, 16 heads, seq 2048, batch 2, bf16; on the CPU a small one), run without
+  offloading, with V2 and nothing eligible (hooks only), and with V2 offloading k layers
+  (with ``--duplex`` also the duplex schedule). For each: the host time to enqueue one
+  step (no synchronization; on the CPU this is the whole step, timed as the thread's CPU
+  time so that other work on the machine disturbs it less), the step time, the peak
+  memory on CUDA, and the tensors saved per step. Variants run in turns and the best turn
+  is kept, so that a busy machine disturbs every variant alike.
+* **profile**: where the host time of the V2 step goes, as a cProfile table of the
+  functions of ``cpu_offload`` (and on CUDA a torch.profiler table).
+
+    python benchmarks/host_overhead.py                  # CUDA if available, else the CPU
+    python benchmarks/host_overhead.py --device cpu --json host.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from cpu_offload import CudaTransport, HostTransport, Transport, v2
+from cpu_offload.models import ModelSpec, build_layers
+
+CUDA_SPEC = ModelSpec(kind="gpt", hidden=2048, heads=16, seq=2048, batch=2, layers=8,
+                      dtype=torch.bfloat16)  # fmt: skip
+CPU_SPEC = ModelSpec(kind="gpt", hidden=64, heads=4, seq=32, batch=2, layers=8)
+NEVER = 1 << 62  # a size threshold no tensor reaches: hooks run, nothing is eligible
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _transport(device: str) -> Transport:
+    # Named, so that --device cpu measures the stand-in even where CUDA is available.
+    return CudaTransport() if device == "cuda" else HostTransport()
+
+
+def _clock(device: str) -> Callable[[], float]:
+    # On the CPU everything runs on this thread: its CPU time is the host time, and a
+    # machine shared with other work disturbs it far less than the wall clock.
+    return time.perf_counter if device == "cuda" else time.thread_time
+
+
+# -- engine --------------------------------------------------------------------------
+
+
+class _RunInBackward(torch.autograd.Function):
+    """Calls a function from inside a backward pass, where the engine's hooks run."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor, fn: Callable[[], None]) -> torch.Tensor:
+        ctx.fn = fn  # type: ignore[attr-defined]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.fn()  # type: ignore[attr-defined]
+        return grad, None
+
+
+def engine_iteration(sync: v2.OffloadSynchronizer, tensors: list[torch.Tensor], k: int) -> None:
+    """One iteration: ``len(tensors)`` saves in each of the first ``k`` layers.
+
+    The backward steps run inside a real (one-node) backward pass, as they do in training,
+    so that the end-of-backward callback is queued and run by autograd.
+    """
+    packed: list[list[object]] = []
+    for layer in range(sync.num_layers):
+        sync.fwd_step()
+        packed.append([sync.push_tensor(t) for t in tensors] if layer < k else [])
+
+    def backward() -> None:
+        for layer in reversed(range(sync.num_layers)):
+            sync.bwd_step(layer)
+            for p in packed[layer]:
+                sync.pop_tensor(p)
+
+    _RunInBackward.apply(torch.zeros(1, requires_grad=True), backward).sum().backward()
+
+
+def _time(fn: Callable[[], None], device: str, repeat: int) -> float:
+    """Best of five medians of ``repeat`` calls, seconds."""
+    medians = []
+    clock = _clock(device)
+    for _ in range(5):
+        times = []
+        for _ in range(repeat):
+            _sync(device)
+            t0 = clock()
+            fn()
+            times.append(clock() - t0)
+        medians.append(statistics.median(times))
+    return min(medians)
+
+
+def engine(device: str, layers: int = 8, k: int = 4, per_layer: int = 16) -> dict:
+    """Host time per offloaded tensor and per layer of the engine alone (microseconds)."""
+    sync = v2.DefaultOffloadSynchronizer(
+        layers, k, transport=_transport(device), policy=lambda t: True
+    )
+    tensors = [torch.randn(256, device=device) + i for i in range(per_layer)]
+    empty: list[torch.Tensor] = []
+    for _ in range(3):
+        engine_iteration(sync, tensors, k)
+    full = _time(lambda: engine_iteration(sync, tensors, k), device, 20)
+    bare = _time(lambda: engine_iteration(sync, empty, k), device, 20)
+    return {
+        "per_tensor_us": (full - bare) / (k * per_layer) * 1e6,
+        "per_layer_us": bare / layers * 1e6,
+        "layers": layers,
+        "offloaded_layers": k,
+        "tensors_per_layer": per_layer,
+    }
+
+
+# -- model ---------------------------------------------------------------------------
+
+
+@dataclass
+class Variant:
+    name: str
+    kwargs: dict | None  # get_cpu_offload_context arguments; None: no offloading
+    host_ms: list[float] = field(default_factory=list)
+    step_ms: list[float] = field(default_factory=list)
+    peak_mib: float = 0.0
+    saved: int = 0
+    ctx: object = None
+    sync: object = None
+
+
+class _Counter:
+    """Counts the tensors saved for backward during one step (outer hooks)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.count += 1
+        return t
+
+
+def run_model(spec: ModelSpec, device: str, k: int, duplex: bool, turns: int, steps: int) -> dict:
+    layers = build_layers(spec, device)
+    x0 = spec.make_input(device)
+    on_cpu = device == "cpu"
+    small = {"min_tensor_size_to_offload": 0} if on_cpu else {}
+    variants = [
+        Variant("none", None),
+        Variant("v2 nothing eligible", {"num_layers": k, "min_tensor_size_to_offload": NEVER}),
+        Variant(f"v2 k={k}", {"num_layers": k, **small}),
+    ]
+    if duplex and device == "cuda":  # the stand-in's copies are synchronous: no second lane
+        variants.append(Variant(f"v2 k={k} duplex", {"num_layers": k, "duplex": True, **small}))
+    for v in variants:
+        if v.kwargs is not None:
+            if not v.kwargs.get("duplex"):  # duplex makes its own transport
+                v.kwargs["transport"] = _transport(device)
+            v.ctx, v.sync = v2.get_cpu_offload_context(
+                enabled=True, model_layers=spec.layers, **v.kwargs
+            )
+
+    def one_step(v: Variant) -> None:
+        x = x0.detach().requires_grad_()
+        for layer in layers:
+            if v.ctx is None:
+                x = layer(x)
+            else:
+                with v.ctx:  # type: ignore[attr-defined]
+                    x = layer(x)
+                x = v.sync(x)  # type: ignore[operator]
+        x.float().sum().backward()
+        for p in layers.parameters():
+            p.grad = None
+
+    for v in variants:  # warm-up
+        for _ in range(3):
+            one_step(v)
+    counter = _Counter()  # the tensors the model saves per step (offloading or not)
+    with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+        one_step(variants[0])
+    for v in variants:
+        v.saved = counter.count
+    clock = _clock(device)
+    for _ in range(turns):
+        for v in variants:
+            host, gpu = [], []
+            for _ in range(steps):
+                _sync(device)
+                t0 = clock()
+                one_step(v)
+                t1 = clock()
+                _sync(device)
+                t2 = clock()
+                host.append((t1 - t0) * 1e3)
+                gpu.append((t2 - t0) * 1e3)
+            v.host_ms.append(statistics.median(host))
+            v.step_ms.append(statistics.median(gpu))
+    if device == "cuda":
+        for v in variants:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            one_step(v)
+            torch.cuda.synchronize()
+            v.peak_mib = torch.cuda.max_memory_allocated() / 2**20
+    none = variants[0]
+    rows = []
+    for v in variants:
+        host, step = min(v.host_ms), min(v.step_ms)
+        extra = host - min(none.host_ms)
+        rows.append(
+            {
+                "variant": v.name,
+                "host_ms": host,
+                "step_ms": step,
+                "host_ratio": host / min(none.host_ms),
+                "step_ratio": step / min(none.step_ms),
+                "extra_host_per_layer_us": extra / spec.layers * 1e3,
+                "extra_host_per_saved_tensor_us": extra / max(v.saved, 1) * 1e3,
+                "saved_tensors": v.saved,
+                "peak_mib": v.peak_mib,
+            }
+        )
+    return {"spec": repr(spec), "rows": rows, "profile": _profile(variants[2], one_step, device)}
+
+
+def _profile(v: Variant, one_step: Callable[[Variant], None], device: str) -> str:
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(10):
+        one_step(v)
+    _sync(device)
+    prof.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out).sort_stats("tottime")
+    stats.print_stats("cpu_offload", 25)
+    text = out.getvalue()
+    if device == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tprof:
+            for _ in range(3):
+                one_step(v)
+            torch.cuda.synchronize()
+        text += tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None)
+    p.add_argument("-k", type=int, default=2, help="layers offloaded in the model runs")
+    p.add_argument("--duplex", action="store_true", help="also run the duplex schedule")
+    p.add_argument("--turns", type=int, default=5)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--no-profile", action="store_true")
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args(argv)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu":
+        torch.set_num_threads(1)
+    spec = CUDA_SPEC if device == "cuda" else CPU_SPEC
+    print(f"torch {torch.__version__}, device {device}"
+          + (f" ({torch.cuda.get_device_name()})" if device == "cuda" else ""))  # fmt: skip
+    eng = engine(device)
+    print(
+        f"engine: {eng['per_tensor_us']:.1f} us per offloaded tensor (round trip), "
+        f"{eng['per_layer_us']:.1f} us per layer with nothing saved"
+    )
+    model = run_model(spec, device, args.k, args.duplex, args.turns, args.steps)
+    print(f"model: {model['spec']}")
+    print(
+        f"{'variant':24s} {'host ms':>8s} {'step ms':>8s} {'host x':>7s} {'step x':>7s} "
+        f"{'+us/layer':>10s} {'+us/saved':>10s} {'saved':>6s} {'peak MiB':>9s}"
+    )
+    for r in model["rows"]:
+        print(
+            f"{r['variant']:24s} {r['host_ms']:8.2f} {r['step_ms']:8.2f} "
+            f"{r['host_ratio']:7.3f} {r['step_ratio']:7.3f} "
+            f"{r['extra_host_per_layer_us']:10.1f} {r['extra_host_per_saved_tensor_us']:10.2f} "
+            f"{r['saved_tensors']:6d} {r['peak_mib']:9.0f}"
+        )
+    if not args.no_profile:
+        print(model["profile"])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": device, "torch": torch.__version__, "engine": eng,
+                       "model": model}, f, indent=1)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

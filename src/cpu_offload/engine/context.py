@@ -1,0 +1,77 @@
+"""The ``with`` block of an offload context, shared by the V1 and V2 front-ends.
+
+Entering claims the context for the calling thread, pushes the saved-tensor hooks and
+marks the context active (what ``is_cpu_offload_enabled()`` reports); leaving undoes all
+three, and an exception that leaves the block lets the front-end end what it started.
+Subclasses decide which hooks a block gets (:meth:`OffloadContextBase._open`) and what
+a failed block ends (:meth:`OffloadContextBase._abort`).
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+
+from .active import ActiveHooks, ContextOwner
+
+__all__ = ["OffloadContextBase"]
+
+
+class OffloadContextBase:
+    """Saved-tensor hooks and active-context state around one layer's forward.
+
+    Attributes:
+        inside_context: True only inside the ``with`` block.
+    """
+
+    def __init__(self) -> None:
+        self.inside_context = False
+        self._hooks: ActiveHooks | None = None
+        self._owner = ContextOwner()
+
+    def is_current_layer_offloaded(self) -> bool:
+        """Whether the layer whose forward runs in this block is offloaded."""
+        return False
+
+    def _layer_pending(self) -> bool:
+        """Whether a layer entered earlier still waits for its sync (see ContextOwner)."""
+        return False
+
+    def _open(self) -> ActiveHooks:
+        """The hooks for the block being entered; may raise (nothing is pushed yet)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement _open")
+
+    def _abort(self) -> None:
+        """Called when an exception leaves the ``with`` block."""
+
+    def _on_exit(self) -> None:
+        """Called when the ``with`` block ends without an exception."""
+
+    def __enter__(self) -> OffloadContextBase:
+        owner = self._owner
+        owner.claim(self._layer_pending())
+        try:
+            hooks = self._open()
+            hooks.__enter__()  # last step: nothing after it can fail
+        except BaseException:
+            owner.release()
+            raise
+        self._hooks = hooks
+        self.inside_context = True
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.inside_context = False
+        self._owner.release()
+        hooks, self._hooks = self._hooks, None
+        if hooks is None:
+            return
+        hooks.__exit__(exc_type, exc, tb)
+        if exc_type is not None:
+            self._abort()
+        else:
+            self._on_exit()
