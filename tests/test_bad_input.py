@@ -267,3 +267,22 @@ def test_nested_with_in_one_thread_names_the_nesting(which):
     x = _layer(ctx, sync, x)
     x = _layer(ctx, sync, x)
     x.sum().backward()
+
+
+def test_v2_warns_once_when_a_whole_iteration_offloaded_nothing():
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(3))
+    make = lambda: torch.randn(8, 16, generator=torch.Generator().manual_seed(2))  # noqa: E731
+    ref = step(layers, make)
+    ctx, sync = v2.get_cpu_offload_context(True, 1, 3, transport=HostTransport())
+    with pytest.warns(UserWarning, match="offloaded nothing") as record:
+        for _ in range(3):
+            assert_bit_equal(ref, step(layers, make, ctx, sync))
+    ours = [w for w in record if "offloaded nothing" in str(w.message)]
+    assert len(ours) == 1 and "min_tensor_size_to_offload" in str(ours[0].message)
+    ctx, sync = v2.get_cpu_offload_context(
+        True, 1, 3, transport=HostTransport(), min_tensor_size_to_offload=1
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step(layers, make, ctx, sync)  # something moves: silent

@@ -55,3 +55,41 @@ def test_nothing_printed_by_default():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     )
     assert out.stdout == "" and "layer 0" not in out.stderr and "offload_layers" not in out.stderr
+
+
+def test_engine_logs_offloaded_kept_and_moved_per_layer_and_iteration(caplog):
+    import cpu_offload
+    from cpu_offload import HostTransport
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        *[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(3)]
+    )
+    handle = cpu_offload.offload_layers(
+        model, 1, transport=HostTransport(), min_tensor_size_to_offload=1000
+    )
+    with caplog.at_level(logging.DEBUG, logger="cpu_offload"):
+        for _ in range(2):
+            model(torch.randn(32, 64, requires_grad=True)).sum().backward()
+    handle.remove()
+    lines = [r.getMessage() for r in caplog.records]
+    assert "iteration 1: layer 0's forward begins" in lines, lines
+    assert "layer 0: kept (64, 64) float32 on cpu: parameter" in lines
+    assert lines.count("layer 0: offloaded (32, 64) float32 on cpu, 8192 bytes") == 4
+    assert lines.count("layer 0: offload of 2 tensors, 16384 bytes") == 2
+    assert lines.count("layer 0: reload of 2 tensors, 16384 bytes") == 2
+    # Layers that are not offloaded save their tensors without hooks: nothing logged.
+    assert not any(line.startswith("layer 1:") for line in lines)
+
+
+def test_nothing_is_logged_by_default(capsys):
+    import cpu_offload
+    from cpu_offload import HostTransport
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(3)])
+    with cpu_offload.offload_layers(
+        model, 1, transport=HostTransport(), min_tensor_size_to_offload=1
+    ):
+        model(torch.randn(32, 64, requires_grad=True)).sum().backward()
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == ""

@@ -20,7 +20,7 @@ import torch
 from ._compat import is_fake_or_functional
 from .engine.selection import _is_weight, is_marked_not_offload
 
-__all__ = ["kept", "keep_reason", "logger", "moved", "offloaded"]
+__all__ = ["debug_enabled", "kept", "keep_reason", "logger", "moved", "offloaded", "policy_reason"]
 
 logger = logging.getLogger("cpu_offload")
 logger.addHandler(logging.NullHandler())
@@ -42,6 +42,8 @@ def keep_reason(
     """
     if not on_device(tensor):
         return "not on the device"
+    if tensor.layout is not torch.strided or tensor.is_nested:
+        return "layout (sparse or nested)"
     if _is_weight(tensor):
         return "parameter"
     if is_marked_not_offload(tensor):
@@ -51,6 +53,20 @@ def keep_reason(
     if tensor.numel() < min_numel:
         return f"small (< {min_numel} elements)"
     return None
+
+
+def debug_enabled() -> bool:
+    """Whether DEBUG records of the package are wanted (cheap: cached by ``logging``)."""
+    return logger.isEnabledFor(logging.DEBUG)
+
+
+def policy_reason(policy: object, tensor: torch.Tensor) -> str:
+    """Why a selection ``policy`` (V2's automatic one, or V1's marks) keeps ``tensor``."""
+    min_numel = getattr(policy, "min_numel", None)
+    on_device = getattr(policy, "on_device", None)
+    if min_numel is not None and on_device is not None:
+        return keep_reason(tensor, min_numel, on_device) or "not selected"
+    return "not marked for offloading (V1 offloads marked tensors only)"
 
 
 def kept(layer: str, tensor: torch.Tensor, reason: str) -> None:

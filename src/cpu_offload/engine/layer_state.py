@@ -8,6 +8,7 @@ from collections.abc import Callable, Hashable, Iterable
 
 import torch
 
+from .. import _log
 from .._compat import pinned_alloc_in_capture_supported
 from .layout import TensorLayout
 from .tensor_group import GroupPlan, SavedEntry, TensorGroupProcessor, Unit
@@ -111,6 +112,8 @@ class OffloadableLayerState:
         if self.phase is not LayerPhase.NOT_OFFLOADED:
             self._expect("push_tensor", LayerPhase.NOT_OFFLOADED)
         if not self.policy(tensor):
+            if _log.debug_enabled():
+                _log.kept(self.name, tensor, _log.policy_reason(self.policy, tensor))
             return tensor
         self._seq += 1
         entries = self._entries
@@ -165,6 +168,19 @@ class OffloadableLayerState:
         events = self.transport.offload_all(copies)
         for unit, event in zip(plan.units, events, strict=True):
             unit.copied = event
+        if _log.debug_enabled():
+            self._log_offload(plan)
+
+    def _log_offload(self, plan: GroupPlan) -> None:
+        for unit in plan.units:
+            assert unit.tensor is not None
+            _log.offloaded(self.name, unit.tensor, unit.nbytes)
+        for entry, ref in zip(self._entries, plan.refs, strict=True):
+            if not plan.unit_ids(ref):
+                why = "changed in place" if entry.keep else "layout cannot be restored"
+                _log.kept(self.name, entry.tensor, why)
+        total = sum(u.nbytes for u in plan.units)
+        _log.moved(self.name, "offload", total, len(plan.units))
 
     def _host_buffers(self, units: list[Unit]) -> list[torch.Tensor]:
         pool = self.transport.pool
@@ -237,6 +253,8 @@ class OffloadableLayerState:
         self._expect("start_reload", LayerPhase.OFFLOAD_FINISHED)
         assert self._plan is not None
         units = self._plan.units
+        if _log.debug_enabled():
+            _log.moved(self.name, "reload", sum(u.nbytes for u in units), len(units))
         buffers = device_buffers or []
         self._reload_units(
             units, [buffers[i] if i < len(buffers) else None for i in range(len(units))]

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from .. import _log
 from .._args import check_bool, check_int
 from .._compat import capture_buffer_policy, queue_backward_callback
 from .._warn import warn_at_caller
@@ -124,6 +125,7 @@ class OffloadSynchronizer:
         self._callback_queued = False
         self._backward_seen = False  # a backward began since this iteration's forwards
         self._warned_on_demand = False
+        self._warned_nothing_offloaded = False
 
     # -- the step protocol -------------------------------------------------------------
 
@@ -142,6 +144,8 @@ class OffloadSynchronizer:
         if self._forwards == self.num_layers or self._backward_seen:
             self.start_new_iteration()
         layer = self._forwards
+        if _log.debug_enabled():
+            _log.logger.debug("iteration %d: layer %d's forward begins", self.iteration, layer)
         if self.current_layer is not None:
             self._on_forward_end(self.current_layer)
         self._forwards += 1
@@ -367,6 +371,7 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
 
     def _check_forward_count(self) -> None:
         if self._forwards == self.num_layers:
+            self._check_something_offloaded()
             return
         ran = self._forwards
         self.start_new_iteration()
@@ -375,6 +380,25 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
             f"model_layers={self.num_layers}: pass the number of layers that run under the "
             "context in one iteration (or, if a forward was cut short by an exception "
             "outside the context, skip that batch's backward)"
+        )
+
+    def _check_something_offloaded(self) -> None:
+        # A whole forward ran and no offloaded layer took a tensor: say so once, rather
+        # than let the user believe memory was saved.
+        offloaded = sorted(self.schedule.offloaded)
+        if self._warned_nothing_offloaded or not offloaded:
+            return
+        if any(self.layers[i].has_tensors for i in offloaded):
+            return
+        self._warned_nothing_offloaded = True
+        min_numel = getattr(self.policy, "min_numel", None)
+        size = "" if min_numel is None else f" with at least {min_numel} elements"
+        warn_at_caller(
+            f"the V2 CPU offload context ran all {self.num_layers} layers of an iteration "
+            f"and offloaded nothing, although layers {offloaded} are to be offloaded: no "
+            f"tensor they saved for backward was on the transport's device{size} (and not "
+            "a parameter or marked not to offload). Lower min_tensor_size_to_offload, or "
+            "check that those layers run under the context"
         )
 
     def _pushes_to(self, layer_id: int) -> bool:
