@@ -57,3 +57,4 @@ if __name__ == "__main__":
     model, make_batch, loss_fn = factory()
     report = compare_model(model, make_batch, loss_fn, steps=2, warmup=1)
     print(format_table(report))
+    print(f"v2 offloaded {report.result('v2').bytes_offloaded_per_step} bytes per step")

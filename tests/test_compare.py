@@ -80,6 +80,13 @@ def test_cli_runs_every_variant_bit_exact_and_says_it_is_simulated(tmp_path, cap
     none = data["results"][0]
     assert v2["peak_bytes"] < none["peak_bytes"]
     assert v2["bytes_offloaded_per_step"] > 0
+    assert "transfer-bound floor of the default schedule (model): v2" in text
+
+
+def test_cli_floor_line_only_when_v2_ran(capsys):
+    assert main([*SMALL, "--variants", "checkpoint", "--no-optimizer"]) == 0
+    text = capsys.readouterr().out
+    assert "checkpoint" in text and "transfer-bound floor" not in text
 
 
 def test_cli_plot(tmp_path):
@@ -97,10 +104,16 @@ def test_cli_plot(tmp_path):
         (["--heads", "5"], "must divide --hidden"),
         (["--layers", "0"], "--layers must be >= 1"),
         (["--min-tensor-size", "-1"], "--min-tensor-size must be >= 0"),
+        (["--warmup", "-1"], "--warmup must be >= 0"),
+        (["--variants", ","], "--variants is empty; choose from none, v1-sync,"),
+        (["--variants", ""], "--variants is empty; choose from none, v1-sync,"),
+        (["--device", "gpu"], "invalid choice: 'gpu'"),
     ],
 )
 def test_cli_bad_arguments_name_the_option(args, message, capsys):
-    assert message in cli_usage_error([*SMALL, *args], capsys)
+    err = cli_usage_error([*SMALL, *args], capsys)
+    assert message in err
+    assert "cpu-offload compare: error:" in err  # the subcommand reports its own options
 
 
 @pytest.mark.parametrize("option", ["--sim-link-gbps", "--sim-tflops"])

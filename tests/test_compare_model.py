@@ -114,6 +114,56 @@ def make(seq=8, batch=4, dtype=None):
 
 def not_a_pair():
     return 3
+
+
+def needs_width(width, seq=8):
+    return make(seq=seq)
+
+
+def needs_seq(seq):
+    return make(seq=seq)
+
+
+def raises():
+    raise RuntimeError("no weights here")
+
+
+def no_parameters():
+    return nn.Sequential(nn.ReLU(), nn.ReLU()), lambda: torch.ones(2, 32)
+
+
+def batch_of_text():
+    model, _ = make()
+    return model, lambda: "some text"
+
+
+def batch_raises():
+    model, _ = make()
+
+    def make_batch():
+        raise KeyError("labels")
+
+    return model, make_batch
+
+
+def long_batch():
+    model, _ = make()
+    return model, lambda: torch.ones(4, 8, 32, dtype=torch.long)
+
+
+class Embed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(16, 32)
+        self.blocks = nn.Sequential(*[Block(32) for _ in range(3)])
+
+    def forward(self, ids):
+        return self.blocks(self.embed(ids))
+
+
+def token_ids():
+    torch.manual_seed(0)
+    return Embed(), lambda: torch.arange(32).reshape(4, 8) % 16
 """
 
 
@@ -174,3 +224,47 @@ def test_cli_model_errors(args, message, capsys):
 def test_cli_factory_returning_something_else(factory_module, capsys):
     err = cli_usage_error(["compare", "--model", f"{factory_module}:not_a_pair"], capsys)
     assert "must return (model, make_batch)" in err
+
+
+@pytest.mark.parametrize(
+    "factory, message",
+    [
+        ("needs_width", "the factory needs 'width', which the command line does not pass"),
+        ("needs_seq", "the factory needs 'seq'"),
+        ("raises", "the factory raised RuntimeError: no weights here"),
+        ("no_parameters", "has no parameters to train"),
+        ("batch_of_text", "make_batch must return a tensor, or a tuple, list or dict of tensors"),
+        ("batch_raises", "make_batch raised KeyError: 'labels'"),
+        ("long_batch", "the first forward of the factory's model on its batch (int64) failed"),
+    ],
+)
+@pytest.mark.parametrize("command", ["compare", "plan"])
+def test_cli_factory_failures_exit_2_naming_model(
+    factory_module, factory, message, command, capsys
+):
+    argv = [command, "--model", f"{factory_module}:{factory}", "--quiet"]
+    if command == "plan":
+        argv += ["--budget", "0.5"]
+    err = cli_usage_error(argv, capsys)
+    assert f"cpu-offload {command}: error: --model '{factory_module}:{factory}'" in err
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_cli_factory_long_batch_shows_the_original_error(factory_module, capsys):
+    err = cli_usage_error(["compare", "--model", f"{factory_module}:long_batch"], capsys)
+    assert "holds no floating-point tensor" in err and "RuntimeError:" in err
+
+
+def test_cli_factory_seq_is_passed_when_given(factory_module, capsys):
+    argv = ["compare", "--model", f"{factory_module}:needs_seq", "--seq", "4", "--variants", "v2"]
+    assert main([*argv, *FAST]) == 0
+    assert "bit-identical to no offloading: none, v2" in capsys.readouterr().out
+    err = cli_usage_error(["compare", "--model", f"{factory_module}:needs_seq"], capsys)
+    assert "pass --seq" in err
+
+
+def test_cli_factory_with_token_ids_runs(factory_module, capsys):
+    argv = ["compare", "--model", f"{factory_module}:token_ids", "--variants", "v2", *FAST]
+    assert main(argv) == 0
+    assert "bit-identical to no offloading: none, v2" in capsys.readouterr().out

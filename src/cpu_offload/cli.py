@@ -56,6 +56,22 @@ def _positive_float(name: str):  # type: ignore[no-untyped-def]
     return parse
 
 
+def _variant_list(text: str) -> list[str]:
+    """``--variants``: a comma-separated list of known variants, at least one."""
+    from .compare.variants import VARIANTS
+
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    allowed = ", ".join(VARIANTS)
+    if not names:
+        raise argparse.ArgumentTypeError(f"--variants is empty; choose from {allowed}")
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"--variants: unknown {', '.join(unknown)}; choose from {allowed}"
+        )
+    return names
+
+
 def _output_path(name: str):  # type: ignore[no-untyped-def]
     def parse(text: str) -> str:
         folder = Path(text).expanduser().resolve().parent
@@ -142,9 +158,14 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         type=_positive("--steps"),
         help="measured steps per variant (default: about one second of steps, 10 to 50 / 2)",
     )
-    c.add_argument("--warmup", type=int, help="warm-up steps per variant (default: 2 / 1)")
+    c.add_argument(
+        "--warmup",
+        type=_int_in("--warmup", 0),
+        help="warm-up steps per variant, >= 0 (default: 2 / 1)",
+    )
     c.add_argument(
         "--variants",
+        type=_variant_list,
         default="v1-sync,v1-async,v2,checkpoint,save_on_cpu",
         help=f"comma-separated, from: {', '.join(VARIANTS)}; none always runs "
         "(default: v1-sync,v1-async,v2,checkpoint,save_on_cpu)",
@@ -154,8 +175,8 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     )
     c.add_argument(
         "--min-tensor-size",
-        type=int,
-        help="smallest tensor to offload, in elements (default: 262144 / 8192 for the "
+        type=_int_in("--min-tensor-size", 0),
+        help="smallest tensor to offload, in elements, >= 0 (default: 262144 / 8192 for the "
         "built-in kinds, 1024 for other models)",
     )
     c.add_argument(
@@ -275,17 +296,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .compare.overrides import select_from_overrides
     from .compare.report import format_table, write_json, write_plot
     from .compare.runner import CompareConfig, run_compare
-    from .compare.variants import VARIANTS
     from .models import MODEL_KINDS, ModelSpec
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: CUDA is not available here")
+        compare_parser.error("--device cuda: CUDA is not available here")
     gpu = device == "cuda"
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = [v for v in variants if v not in VARIANTS]
-    if unknown:
-        parser.error(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
     if args.optimizer_only and args.model not in MODEL_KINDS:
         compare_parser.error(
             "--optimizer-only: the optimizer section runs on the built-in kinds only"
@@ -318,24 +334,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             dtype=dtype,
         )
         if spec.hidden % spec.heads:
-            parser.error(f"--heads ({spec.heads}) must divide --hidden ({spec.hidden})")
+            compare_parser.error(f"--heads ({spec.heads}) must divide --hidden ({spec.hidden})")
     min_numel = args.min_tensor_size
     if min_numel is None:
         min_numel = 256 * 1024 if gpu else (8 * 1024 if builtin else 1024)
-    if min_numel < 0:
-        parser.error("--min-tensor-size must be >= 0")
     plan = None
     if args.plan:
         plan = _load_plan(compare_parser, args, selection)
     warmup = args.warmup if args.warmup is not None else (2 if gpu else 1)
-    if warmup < 0:
-        parser.error("--warmup must be >= 0")
     if not args.no_deterministic:
         torch.use_deterministic_algorithms(True)
     config = CompareConfig(
         spec=spec,
         num_offloaded=selection.num_offloaded,
-        variants=variants,
+        variants=args.variants,
         steps=args.steps if args.steps else (None if gpu else 2),
         warmup=warmup,
         min_numel=min_numel,

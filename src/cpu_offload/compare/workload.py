@@ -202,6 +202,99 @@ def load_factory(text: str) -> Callable[..., Any]:
     return factory  # type: ignore[return-value]
 
 
+def _is_batch(batch: Any) -> bool:
+    """Whether ``batch`` is a tensor, or a tuple, list or dict of them (nested)."""
+    if isinstance(batch, torch.Tensor):
+        return True
+    if isinstance(batch, Mapping):
+        return bool(batch) and all(_is_batch(v) for v in batch.values())
+    if isinstance(batch, (tuple, list)):
+        return bool(batch) and all(_is_batch(v) for v in batch)
+    return False
+
+
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    values = batch.values() if isinstance(batch, Mapping) else batch
+    return [t for v in values for t in _tensors(v)]
+
+
+def _call_factory(text: str, factory: Callable[..., Any], offered: dict[str, Any]) -> Any:
+    """Call the factory with those of ``offered`` it accepts; its failures as ValueError."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: pass nothing
+        params = {}  # type: ignore[assignment]
+    takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    kwargs = {k: v for k, v in offered.items() if v is not None and (takes_all or k in params)}
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    needed = [
+        name
+        for name, p in params.items()
+        if p.default is inspect.Parameter.empty
+        and (p.kind in positional or p.kind is inspect.Parameter.KEYWORD_ONLY)
+        and name not in kwargs
+    ]
+    if needed:
+        options = [f"--{n}" for n in needed if n in offered]
+        others = [n for n in needed if n not in offered]
+        how = "; ".join(
+            ([f"pass {', '.join(options)}"] if options else [])
+            + ([f"give {', '.join(others)} a default"] if others else [])
+        )
+        raise ValueError(
+            f"--model {text!r}: the factory needs {', '.join(repr(n) for n in needed)}, "
+            "which the command line does not pass (it passes device, dtype, and seq and "
+            f"batch when --seq and --batch are given): {how}"
+        )
+    try:
+        return factory(**kwargs)
+    except Exception as err:
+        raise ValueError(
+            f"--model {text!r}: the factory raised {type(err).__name__}: {err}"
+        ) from err
+
+
+def _trial_forward(text: str, workload: Workload) -> None:
+    """One forward of the loss without gradients, to report a failing factory at once.
+
+    The model's buffers (running statistics) and the random state are put back, so
+    that the comparison starts from the model the factory made.
+    """
+    try:
+        batch = workload.make_batch()
+    except Exception as err:
+        raise ValueError(
+            f"--model {text!r}: the factory's make_batch raised {type(err).__name__}: {err}"
+        ) from err
+    if not _is_batch(batch):
+        raise ValueError(
+            f"--model {text!r}: make_batch must return a tensor, or a tuple, list or dict "
+            f"of tensors, got {type(batch).__name__}"
+        )
+    model = workload.model
+    buffers = [(b, b.clone()) for b in model.buffers()]
+    devices = [workload.device] if workload.device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            workload.loss_fn(model, batch)
+    except Exception as err:
+        kinds = sorted({str(t.dtype).removeprefix("torch.") for t in _tensors(batch)})
+        hint = ""
+        if not any(t.is_floating_point() for t in _tensors(batch)):
+            hint = " (the batch holds no floating-point tensor: a model that takes floats "
+            hint += "needs make_batch to return them)"
+        raise ValueError(
+            f"--model {text!r}: the first forward of the factory's model on its batch "
+            f"({', '.join(kinds)}) failed{hint}: {type(err).__name__}: {err}"
+        ) from err
+    finally:
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+
+
 def factory_workload(
     text: str, device: torch.device | str, dtype: torch.dtype, seq: int | None, batch: int | None
 ) -> Workload:
@@ -211,17 +304,17 @@ def factory_workload(
     accepts as keyword arguments (``seq`` and ``batch`` only when given). It returns
     ``(model, make_batch)`` or ``(model, make_batch, loss_fn)``; the model is moved to
     ``device`` and ``dtype``, and each batch to ``device`` (floating-point tensors to
-    ``dtype``).
+    ``dtype``). One forward without gradients checks that they run together.
 
     Raises:
-        ValueError: If the factory cannot be loaded or returns something else.
+        ValueError: If the factory cannot be loaded, needs an argument the command line
+            cannot pass, raises, or returns something else; if the model has no
+            parameters, ``make_batch`` does not return tensors, or the first forward
+            fails (the message holds the original error).
     """
     factory = load_factory(text)
     offered = {"device": torch.device(device), "dtype": dtype, "seq": seq, "batch": batch}
-    params = inspect.signature(factory).parameters
-    takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    kwargs = {k: v for k, v in offered.items() if v is not None and (takes_all or k in params)}
-    made = factory(**kwargs)
+    made = _call_factory(text, factory, offered)
     if not isinstance(made, tuple) or len(made) not in (2, 3) or not isinstance(made[0], nn.Module):
         raise ValueError(
             f"--model {text!r}: the factory must return (model, make_batch) or "
@@ -235,7 +328,14 @@ def factory_workload(
         return _to(user_make(), dev, dtype)
 
     loss_fn = made[2] if len(made) == 3 else None
-    return user_workload(model, make_batch, loss_fn, description=text)
+    try:
+        if not callable(user_make):
+            raise TypeError(f"make_batch must be callable, got {type(user_make).__name__}")
+        workload = user_workload(model, make_batch, loss_fn, description=text)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"--model {text!r}: {err}") from err
+    _trial_forward(text, workload)
+    return workload
 
 
 def hf_workload(
