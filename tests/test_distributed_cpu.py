@@ -231,7 +231,8 @@ def _parallel_worker(rank: int, kind: str) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     def train(transport: HostTransport | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        model = Stack(blocks(3), transport)
+        one_call = kind == "fsdp2-offload_layers"
+        model = Stack(blocks(3), None if one_call else transport)
         if kind == "ddp":
             model = DDP(model)
         else:
@@ -240,6 +241,14 @@ def _parallel_worker(rank: int, kind: str) -> None:
             for block in model.blocks:
                 fully_shard(block)
             fully_shard(model)
+            if one_call and transport is not None:
+                from cpu_offload import offload_layers
+
+                # The one-call API on the FSDP2-wrapped blocks: the first 2 of 3 layers,
+                # as the hand-written Stack offloads.
+                offload_layers(
+                    model.blocks, num_offloaded=2, min_tensor_size_to_offload=0, transport=transport
+                )
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         losses, grads = [], []
         for step in range(3):
@@ -276,3 +285,9 @@ def test_fsdp2_per_block_with_offloaded_blocks_is_bit_identical(tmp_path):
     if _fully_shard() is None:
         pytest.skip("this torch has no fully_shard (FSDP2)")
     spawn(_parallel_worker, tmp_path, "fsdp2")
+
+
+def test_offload_layers_on_an_fsdp2_wrapped_model_is_bit_identical(tmp_path):
+    if _fully_shard() is None:
+        pytest.skip("this torch has no fully_shard (FSDP2)")
+    spawn(_parallel_worker, tmp_path, "fsdp2-offload_layers")
