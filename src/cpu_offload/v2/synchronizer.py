@@ -231,13 +231,8 @@ class OffloadSynchronizer:
         :meth:`push_tensor`, with a kept tensor detached (see NOTE [Kept tensors are
         detached]).
         """
-        layer = self.current_layer
-        if layer is None or not self._pushes_to(layer):
-            return tensor.detach()
-        out = self.layers[layer].push_tensor(tensor)
-        if isinstance(out, torch.Tensor):
-            return out.detach()
-        return TensorId(out, layer, self.iteration)
+        out = self.push_tensor(tensor)
+        return out.detach() if isinstance(out, torch.Tensor) else out
 
     def pop_tensor(self, packed: TensorId | torch.Tensor) -> torch.Tensor:
         """Saved-tensor unpack hook: the tensor pushed as ``packed``.
