@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import copy
 import datetime
+import gc
 import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -75,8 +77,18 @@ def _entry(rank: int, worker: Callable[..., None], store: str, args: tuple) -> N
     )
     try:
         worker(rank, *args)
+        # Tear down in step: what still holds the group (DDP's reducer sits in reference
+        # cycles) is collected, and both ranks are done talking, before the group goes.
+        gc.collect()
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+    # Leave without the interpreter's finalization: on torch 2.10, gloo's threads can
+    # abort a process there ("terminate called without an active exception") after the
+    # worker has passed. A failure raised above still reaches mp.spawn's error file.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def blocks(n: int) -> list[nn.Module]:
