@@ -9,13 +9,22 @@ for exactly that event.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ._entries import Entry
+from ._entries import Entry, Sub
 
-__all__ = ["copy_back", "copy_converted", "grad_buffer", "send_grad", "take_host_grad"]
+__all__ = [
+    "copy_back",
+    "copy_converted",
+    "grad_buffer",
+    "send_grad",
+    "step_host_subs",
+    "take_host_grad",
+]
 
 
 def copy_converted(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:
@@ -150,3 +159,35 @@ def copy_back(entry: Entry, stream: torch.cuda.Stream | None) -> None:
             entry.param.copy_(source, non_blocking=True)
         entry.h2d_event = stream.record_event()
     entry.note_param_written()
+
+
+def step_host_subs(
+    subs: Sequence[Sub],
+    stream: torch.cuda.Stream | None,
+    on_copied: Callable[[Entry], None] | None = None,
+) -> dict[str, float]:
+    """Step host buckets in order: wait for the gradients, step, queue the copies back.
+
+    Bucket by bucket, so that one bucket's copies back cross the link while the host
+    steps the next. ``on_copied`` is called with each entry once its copy back is queued.
+
+    Returns:
+        Seconds spent waiting for gradients (``host_wait_s``), in the host optimizers
+        (``host_step_s``) and queueing the copies back (``host_copy_back_s``).
+    """
+    wait = host_step = copy = 0.0
+    for sub in subs:
+        t0 = time.perf_counter()
+        for entry in sub.entries:
+            take_host_grad(entry)
+        t1 = time.perf_counter()
+        sub.optimizer.step()
+        t2 = time.perf_counter()
+        for entry in sub.entries:
+            copy_back(entry, stream)
+            if on_copied is not None:
+                on_copied(entry)
+        wait += t1 - t0
+        host_step += t2 - t1
+        copy += time.perf_counter() - t2
+    return {"host_step_s": host_step, "host_wait_s": wait, "host_copy_back_s": copy}

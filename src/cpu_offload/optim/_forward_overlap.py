@@ -21,7 +21,6 @@ read the parameters; the host buckets follow that order from the first ``step()`
 from __future__ import annotations
 
 import threading
-import time
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ._copies import copy_back, take_host_grad
+from ._copies import step_host_subs
 from ._entries import Entry, Sub
 
 __all__ = ["ForwardOverlap", "UnguardedReadError"]
@@ -203,25 +202,11 @@ class ForwardOverlap:
         self._future = self._executor.submit(self._run, list(subs), h2d)
 
     def _run(self, subs: list[Sub], h2d: torch.cuda.Stream | None) -> dict[str, float]:
-        host_step = wait = convert = 0.0
         device = torch.cuda.device(self.cuda_device) if self.cuda_device is not None else None
         try:
             # Grad mode is per thread: the copies back write leaf parameters in place.
             with torch.no_grad(), device if device is not None else nullcontext():
-                for sub in subs:
-                    t0 = time.perf_counter()
-                    for entry in sub.entries:
-                        take_host_grad(entry)
-                    t1 = time.perf_counter()
-                    sub.optimizer.step()
-                    t2 = time.perf_counter()
-                    for entry in sub.entries:
-                        copy_back(entry, h2d)
-                        assert entry.landed is not None
-                        entry.landed.set()
-                    wait += t1 - t0
-                    host_step += t2 - t1
-                    convert += time.perf_counter() - t2
+                return step_host_subs(subs, h2d, on_copied=_mark_landed)
         except BaseException as exc:
             self._error = exc
             raise
@@ -231,7 +216,6 @@ class ForwardOverlap:
                 for entry in sub.entries:
                     if entry.landed is not None:
                         entry.landed.set()
-        return {"host_step_s": host_step, "host_wait_s": wait, "host_copy_back_s": convert}
 
     def check_read(self, entry: Entry) -> None:
         """Raise if backward reached a parameter that no reader waited for."""
@@ -244,6 +228,11 @@ class ForwardOverlap:
                 "code outside any module). Call optimizer.synchronize() before such "
                 "reads, or turn the option off"
             )
+
+
+def _mark_landed(entry: Entry) -> None:
+    assert entry.landed is not None
+    entry.landed.set()
 
 
 def _close(handles: list[Any], executor: ThreadPoolExecutor) -> None:

@@ -46,7 +46,7 @@ from ._checkpoint import (
     pack_state_dict,
     state_view,
 )
-from ._copies import copy_back, send_grad, take_host_grad
+from ._copies import send_grad, step_host_subs
 from ._entries import (
     IMPLEMENTATION_KEYS,
     CopyDtype,
@@ -627,26 +627,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         # 4. Host buckets: wait for their gradients, step, copy back (pipelined).
         if self._h2d_stream is not None and before_step is not None:
             self._h2d_stream.wait_event(before_step)
-        host_step = wait = convert = 0.0
         now, later = self._host_subs, []
         if self._overlap is not None:
             # Buckets of offloaded parameters are stepped after step() returns; the
             # caller's host parameters (whose .grad the host optimizer reads) now.
             later = [s for s in now if all(e.offloaded for e in s.entries)]
             now = [s for s in now if s not in later]
-        for sub in now:
-            t0 = time.perf_counter()
-            for entry in sub.entries:
-                take_host_grad(entry)
-            t1 = time.perf_counter()
-            sub.optimizer.step()
-            t2 = time.perf_counter()
-            for entry in sub.entries:
-                copy_back(entry, h2d)
-            t3 = time.perf_counter()
-            wait += t1 - t0
-            host_step += t2 - t1
-            convert += t3 - t2
+        host_timings = step_host_subs(now, h2d)
         if later:
             assert self._overlap is not None
             self._overlap.submit(later, h2d)
@@ -656,9 +643,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self.last_step_timings = {
             "step_s": time.perf_counter() - t_start,
             "check_s": t_checked - t_start,
-            "host_step_s": host_step,
-            "host_wait_s": wait,
-            "host_copy_back_s": convert,
+            **host_timings,
             "host_numel": float(sum(e.param.numel() for e in self._entries if e.host)),
             "early_copies": float(early_candidates),
             "early_copies_reused": float(kept),
