@@ -15,6 +15,7 @@ plan's, all measured in the same process.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -148,6 +149,9 @@ def _run(name: str, quick: bool, fractions: list[float], steps: int) -> dict:
         "layers": n,
         "none": {"modelled": [keep.step_ms, keep.peak_bytes], "measured": [none_ms, none_peak]},
         "link_gbps": [profile.link.d2h_gbps, profile.link.h2d_gbps, profile.link.duplex_gbps],
+        # The whole profile, so that a change to the model can be checked against these
+        # measurements without the GPU.
+        "profile": dataclasses.asdict(profile),
         "rows": rows,
         "singles": singles,
     }
