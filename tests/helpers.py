@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -80,3 +81,20 @@ def cli_usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
         cli_main(argv)
     assert err.value.code == 2
     return capsys.readouterr().err
+
+
+def error_in_another_thread(action: Callable[[], object]) -> RuntimeError:
+    """Run ``action`` on a second thread; return the one RuntimeError it must raise."""
+    errors: list[RuntimeError] = []
+
+    def run() -> None:
+        try:
+            action()
+        except RuntimeError as err:
+            errors.append(err)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert len(errors) == 1, "the second thread was not refused"
+    return errors[0]

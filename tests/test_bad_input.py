@@ -4,12 +4,11 @@ no sense are refused naming the argument, and a context belongs to one thread.
 
 from __future__ import annotations
 
-import threading
 import warnings
 
 import pytest
 import torch
-from helpers import assert_bit_equal, step
+from helpers import assert_bit_equal, error_in_another_thread, step
 
 import cpu_offload
 from cpu_offload import (
@@ -185,6 +184,11 @@ def _pair(which: str):
     return v1.get_cpu_offload_context(True, 1, 3, transport=HostTransport())
 
 
+def _enter_and_leave(ctx) -> None:
+    with ctx:
+        pass
+
+
 def _layer(ctx, sync, x: torch.Tensor) -> torch.Tensor:
     with ctx:
         x = torch.sigmoid(x)
@@ -194,22 +198,11 @@ def _layer(ctx, sync, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("which", ["v1", "v2"])
 def test_a_context_entered_by_a_second_thread_at_once_is_refused(which):
     ctx, sync = _pair(which)
-    errors: list[BaseException] = []
     x = torch.randn(4, 4, requires_grad=True)
     with ctx:
         x = torch.sigmoid(x)
-
-        def other() -> None:
-            try:
-                with ctx:
-                    pass
-            except RuntimeError as err:
-                errors.append(err)
-
-        thread = threading.Thread(target=other)
-        thread.start()
-        thread.join()
-    assert len(errors) == 1 and "belongs to one thread" in str(errors[0])
+        error = error_in_another_thread(lambda: _enter_and_leave(ctx))
+    assert "belongs to one thread" in str(error)
     x = sync(x)
     x = _layer(ctx, sync, x)  # the owner goes on
     x = _layer(ctx, sync, x)
@@ -220,38 +213,17 @@ def test_v2_layer_pending_in_another_thread_is_refused():
     ctx, sync = v2.get_cpu_offload_context(True, 1, 3, transport=HostTransport())
     with ctx:
         y = torch.sigmoid(torch.randn(2, 8, requires_grad=True))
-    errors: list[BaseException] = []
-
-    def other() -> None:
-        try:
-            with ctx:
-                pass
-        except RuntimeError as err:
-            errors.append(err)
-
-    thread = threading.Thread(target=other)
-    thread.start()
-    thread.join()
-    assert len(errors) == 1 and "belongs to one thread" in str(errors[0])
+    error = error_in_another_thread(lambda: _enter_and_leave(ctx))
+    assert "belongs to one thread" in str(error)
     sync(y)  # the owner continues its iteration
 
 
 def test_sync_from_a_second_thread_inside_the_context_is_refused():
     ctx, sync = v2.get_cpu_offload_context(True, 1, 3, transport=HostTransport())
-    errors: list[BaseException] = []
     with ctx:
         y = torch.sigmoid(torch.randn(2, 8, requires_grad=True))
-
-        def other() -> None:
-            try:
-                sync(y)
-            except RuntimeError as err:
-                errors.append(err)
-
-        thread = threading.Thread(target=other)
-        thread.start()
-        thread.join()
-    assert len(errors) == 1 and "belongs to one thread" in str(errors[0])
+        error = error_in_another_thread(lambda: sync(y))
+    assert "belongs to one thread" in str(error)
     sync(y)
 
 

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
-from helpers import top_saved_tensor_hooks
+from helpers import error_in_another_thread, top_saved_tensor_hooks
 
 from cpu_offload import is_cpu_offload_enabled
 from cpu_offload.engine.active import ActiveHooks
@@ -88,20 +86,14 @@ def test_nested_entry_is_an_error():
 
 def test_a_second_thread_is_refused_while_the_first_is_inside():
     ctx = _Recording()
-    errors: list[BaseException] = []
 
-    def other() -> None:
-        try:
-            with ctx:
-                pass
-        except RuntimeError as err:
-            errors.append(err)
+    def enter_and_leave() -> None:
+        with ctx:
+            pass
 
     with ctx:
-        thread = threading.Thread(target=other)
-        thread.start()
-        thread.join()
-    assert len(errors) == 1 and "second thread" in str(errors[0])
+        error = error_in_another_thread(enter_and_leave)
+    assert "second thread" in str(error)
 
 
 def test_the_base_class_needs_open():
