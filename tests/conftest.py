@@ -25,6 +25,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread for a module of tiny CPU layers.
+
+    With several threads, synchronisation costs far more than the arithmetic (and a
+    loaded CI machine makes it worse). Reference and offloaded runs use the same
+    setting, so the comparisons are unaffected.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def deterministic():
     """Deterministic kernels for bit-exact comparisons on the GPU.

@@ -17,12 +17,7 @@ from cpu_offload.compare import compare_model, default_offloaded, format_table
 FAST = ["--quiet", "--steps", "1", "--warmup", "0"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 class _Block(nn.Module):

@@ -19,12 +19,7 @@ from cpu_offload.v2.schedule import default_synchronization_dict, validate_synch
 MIN = 256
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(params=["v2", "v1"])

@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from helpers import cli_usage_error
 
 from cpu_offload.cli import main
@@ -16,12 +15,7 @@ from cpu_offload.plan.io import load_plan
 SMALL = "plan --layers 3 --hidden 32 --heads 2 --seq 16 --batch 2 --steps 1 --quiet"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.mark.parametrize(

@@ -65,12 +65,7 @@ def make(seq=16, batch=2, dtype=None):
 FAST = ["--quiet", "--steps", "1"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture

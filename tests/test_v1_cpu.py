@@ -31,13 +31,7 @@ ROWS, WIDTH = 128, 64
 X_BYTES = ROWS * WIDTH * 4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny layers: one thread avoids oversubscription on a loaded machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 class _Marked(nn.Module):

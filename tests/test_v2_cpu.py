@@ -24,15 +24,7 @@ N = 4
 MIN = 256
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # The layers are tiny: with several threads, synchronisation costs far more than the
-    # arithmetic (and a loaded CI machine makes it worse). Reference and offloaded runs
-    # use the same setting, so the comparisons are unaffected.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _spec(kind: str) -> ModelSpec:
