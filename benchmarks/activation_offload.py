@@ -18,11 +18,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import subprocess
 import sys
 from dataclasses import asdict
 
 import torch
+from _report import run_isolated, write_reports
 
 from cpu_offload.compare.runner import CompareConfig, run_compare
 from cpu_offload.models import ModelSpec
@@ -150,15 +150,8 @@ def _markdown(results: list[dict], device: str) -> str:
 
 
 def _run_isolated(name: str, k: int, steps: int, small: bool) -> dict:
-    # Each workload runs in a fresh process: measurements start from an empty GPU, and
-    # nothing one workload leaves behind can push the next one out of memory.
-    cmd = [sys.executable, __file__, "--one", f"{name}:{k}", "--steps", str(steps)]
-    if small:
-        cmd.append("--small")
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False)
-    if proc.returncode != 0:
-        return {"workload": name, "k": k, "error": f"exit code {proc.returncode}"}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    argv = ["--one", f"{name}:{k}", "--steps", str(steps)] + (["--small"] if small else [])
+    return run_isolated(__file__, argv, {"workload": name, "k": k})
 
 
 def main() -> int:
@@ -191,22 +184,7 @@ def main() -> int:
             for r in results
             if "error" in r
         )
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(
-                    {
-                        "device": device,
-                        "torch": torch.__version__,
-                        "date": datetime.date.today().isoformat(),
-                        "results": results,
-                    },
-                    fh,
-                    indent=2,
-                    default=str,
-                )
-        if args.markdown:
-            with open(args.markdown, "w") as fh:
-                fh.write(md)
+        write_reports(args.json, args.markdown, device, results, md)
     print(md)
     return 0 if all("error" not in r for r in results) else 1
 

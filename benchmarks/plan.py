@@ -19,7 +19,6 @@ import dataclasses
 import datetime
 import json
 import os
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +28,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _report import run_isolated, write_reports  # noqa: E402
 from activation_offload import WORKLOADS  # noqa: E402
 
 from cpu_offload.models import ModelSpec, build_layers, run_layers  # noqa: E402
@@ -204,12 +204,8 @@ def _markdown(results: list[dict], device: str) -> str:
 
 def _isolated(name: str, args: argparse.Namespace) -> dict:
     # One process per workload: each starts from an empty GPU (and D's process group).
-    cmd = [sys.executable, __file__, "--one", name, "--budgets", args.budgets]
-    cmd += ["--steps", str(args.steps)] + (["--quick"] if args.quick else [])
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False)
-    if proc.returncode != 0:
-        return {"workload": name, "error": f"exit code {proc.returncode}"}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    argv = ["--one", name, "--budgets", args.budgets, "--steps", str(args.steps)]
+    return run_isolated(__file__, argv + (["--quick"] if args.quick else []), {"workload": name})
 
 
 def main() -> int:
@@ -243,23 +239,7 @@ def main() -> int:
         print(f"plan benchmark: workload {name}", file=sys.stderr, flush=True)
         results.append(_isolated(name, args))
         md = _markdown(results, device)
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(
-                    {
-                        "device": device,
-                        "torch": torch.__version__,
-                        "date": datetime.date.today().isoformat(),
-                        "quick": args.quick,
-                        "results": results,
-                    },
-                    fh,
-                    indent=2,
-                    default=str,
-                )
-        if args.markdown:
-            with open(args.markdown, "w") as fh:
-                fh.write(md)
+        write_reports(args.json, args.markdown, device, results, md, quick=args.quick)
     print(_markdown(results, device))
     return 0 if all("error" not in r for r in results) else 1
 
