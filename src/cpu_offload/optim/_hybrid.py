@@ -61,7 +61,21 @@ from ._fingerprint import EarlyCopy, check_early_copies, fingerprint, keep_uncha
 from ._forward_overlap import ForwardOverlap
 from ._split import check_offload_fraction, compute_offload_split, is_device_tensor
 
-__all__ = ["HybridDeviceOptimizer"]
+__all__ = ["KEYWORD_OPTIONS", "HybridDeviceOptimizer"]
+
+#: Options :class:`HybridDeviceOptimizer` takes through ``**defaults``: they configure
+#: the optimizer and are not hyperparameters of a param group. ``__init__`` takes them
+#: out of ``defaults`` by this set, so an option missing here would never be read.
+KEYWORD_OPTIONS = frozenset(
+    {
+        "is_device_param",
+        "early_grad_copy",
+        "overlap_host_step_with_forward",
+        "offload_last_layers",
+        "grad_copy_dtype",
+        "param_copy_dtype",
+    }
+)
 
 
 class _GradReadyHook:
@@ -217,18 +231,19 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         ):
             check_flag(name, value)
         defaults = dict(defaults)
-        is_device_param = pop_predicate(defaults, "is_device_param")
-        early = defaults.pop("early_grad_copy", "auto")
+        options = {name: defaults.pop(name) for name in KEYWORD_OPTIONS if name in defaults}
+        is_device_param = pop_predicate(options, "is_device_param")
+        early = options.pop("early_grad_copy", "auto")
         if early != "auto":
             check_flag("early_grad_copy", early)
-        overlap_forward = pop_flag(defaults, "overlap_host_step_with_forward", False)
+        overlap_forward = pop_flag(options, "overlap_host_step_with_forward", False)
         # "auto": off when the host steps in forward order, which needs the gradients
         # backward produces last (the first layers') first, so copies started earlier
         # in backward would only slow it down; on otherwise.
         early_grad_copy = (not overlap_forward) if early == "auto" else bool(early)
-        offload_last_layers = pop_flag(defaults, "offload_last_layers", False)
+        offload_last_layers = pop_flag(options, "offload_last_layers", False)
         copy_dtypes = {
-            name: check_copy_dtype(name, defaults.pop(name, "master"))
+            name: check_copy_dtype(name, options.pop(name, "master"))
             for name in ("grad_copy_dtype", "param_copy_dtype")
         }
         param_list = materialize(params)

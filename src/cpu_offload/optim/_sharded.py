@@ -9,13 +9,14 @@ broadcasts the new values, so that every rank holds the same parameters after ea
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ._hybrid import HybridDeviceOptimizer
+from ._hybrid import KEYWORD_OPTIONS, HybridDeviceOptimizer
 
 __all__ = ["ShardedHybridDeviceOptimizer", "shard_parameters"]
 
@@ -203,18 +204,10 @@ class ShardedHybridDeviceOptimizer(torch.optim.Optimizer):
             self.local.load_state_dict(state_dict["local"])
 
 
-# Arguments of HybridDeviceOptimizer that are not hyperparameters of a param group.
-_HDO_ONLY = frozenset(
-    {
-        "offload_fraction",
-        "cpu_optimizer_cls",
-        "gpu_optimizer_cls",
-        "param_update_in_fp32",
-        "pin_cpu_grads",
-        "pin_cpu_params",
-        "overlap_cpu_optimizer_d2h_h2d",
-        "early_grad_copy",
-        "grad_copy_dtype",
-        "param_copy_dtype",
-    }
-)
+# Arguments of HybridDeviceOptimizer that are not hyperparameters of a param group: its
+# named parameters and the options it takes through **defaults.
+_HDO_ONLY = KEYWORD_OPTIONS | {
+    name
+    for name in inspect.signature(HybridDeviceOptimizer.__init__).parameters
+    if name not in ("self", "params", "defaults")
+}
