@@ -277,3 +277,18 @@ def test_dropped_optimizer_removes_its_global_hook() -> None:
     del opt
     gc.collect()
     assert ours[0] not in hooks
+
+
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_state_holds_every_parameter_once_synchronized(fraction: float) -> None:
+    # The host buckets are stepped after step() returns, so their state may not exist
+    # yet when step() builds the state view: synchronize() must show it.
+    model = _model("cpu", torch.float32)
+    kw = _kwargs("cpu", fraction, overlap_host_step_with_forward=True)
+    opt = HybridDeviceOptimizer(_groups(model), **kw)
+    model(_batches("cpu", torch.float32, 1)[0]).sum().backward()
+    opt.step()
+    opt.synchronize()
+    params = [p for g in opt.param_groups for p in g["params"]]
+    assert len(opt.state) == len(params)
+    assert all(p in opt.state and int(opt.state[p]["step"]) == 1 for p in params)

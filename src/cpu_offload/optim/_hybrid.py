@@ -330,7 +330,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         Returns:
             The closure's loss, or None.
         """
-        self.synchronize()
+        self._wait_for_host_step()  # the state view is rebuilt at the end
         if self._overlap is not None and is_current_stream_capturing():
             raise RuntimeError(
                 "overlap_host_step_with_forward=True cannot be captured in a CUDA graph: "
@@ -384,8 +384,17 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             >>> opt = HybridDeviceOptimizer(model.parameters(), lr=1e-3)
             >>> opt.synchronize()
         """
-        if self._overlap is not None and self._overlap.busy:
-            self.last_step_timings.update(self._overlap.wait_all())
+        if self._wait_for_host_step():
+            # The host buckets stepped after step() returned may have created their
+            # state only now: the view step() built does not have it.
+            self._refresh_state()
+
+    def _wait_for_host_step(self) -> bool:
+        """Wait for the host step still running from the last ``step()``; True if one was."""
+        if self._overlap is None or not self._overlap.busy:
+            return False
+        self.last_step_timings.update(self._overlap.wait_all())
+        return True
 
     def dummy_step(self) -> None:
         """Create every parameter's optimizer state without changing any parameter.
