@@ -59,6 +59,9 @@ def test_bad_budget_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
 def test_no_plan_fits_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     err = cli_usage_error([*SMALL.split(), "--budget", "1KiB", "--no-measure"], capsys)
     assert "no plan fits a budget of 1,024 bytes" in err
+    # A fraction of the peak that is less than a byte: the same clear error.
+    err = cli_usage_error([*SMALL.split(), "--budget", "1e-12", "--no-measure"], capsys)
+    assert "no plan fits a budget of 1 bytes" in err
 
 
 def test_plan_prints_modelled_and_measured(

@@ -204,7 +204,8 @@ def run_plan(args: argparse.Namespace) -> int:
     keep = estimate(profile, [Choice.KEEP] * n)
     budget = args.budget
     if isinstance(budget, float):
-        budget = int(budget * keep.peak_bytes)
+        # At least one byte: a fraction too small for that gets "no plan fits" as well.
+        budget = max(1, int(budget * keep.peak_bytes))
     try:
         plan = search(profile, budget)
     except NoPlanFits as err:
