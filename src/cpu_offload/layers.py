@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ._args import check_int
 from ._compat import in_backward
 from ._layer_stack import check_indices, find_layers, offload_schedule
 from ._log import logger
@@ -318,8 +319,7 @@ def _offloaded_set(
         return check_indices("offloaded", offloaded, n)
     if num_offloaded is None:
         return frozenset()
-    if isinstance(num_offloaded, bool) or not isinstance(num_offloaded, int):
-        raise TypeError(f"num_offloaded must be an int, got {type(num_offloaded).__name__}")
+    check_int("num_offloaded", num_offloaded)
     if not 0 <= num_offloaded <= n:
         raise ValueError(
             f"num_offloaded must be in [0, {n}] for a stack of {n} layers, got {num_offloaded}"

@@ -13,7 +13,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .. import v1, v2
@@ -98,10 +97,6 @@ class Variant(ABC):
         The layer's output is a tensor, or a tuple, list or dataclass whose first
         element is the hidden state.
         """
-
-    def run_layer(self, index: int, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """Run layer ``index`` on ``x``."""
-        return self.call(index, layer, (x,), {})
 
 
 class _NoOffload(Variant):

@@ -7,12 +7,13 @@ from typing import Any
 
 import torch
 
+from cpu_offload._args import check_bool
+
 from ._entries import CopyDtype
 
 __all__ = [
     "ParamsT",
     "check_copy_dtype",
-    "check_flag",
     "check_optimizer_cls",
     "materialize",
     "pop_flag",
@@ -43,16 +44,9 @@ def check_optimizer_cls(
     return cls
 
 
-def check_flag(name: str, value: Any) -> bool:
-    """``value`` if it is a bool; TypeError naming ``name`` otherwise."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
-    return value
-
-
 def pop_flag(defaults: dict[str, Any], name: str, default: bool) -> bool:
     """Take the bool keyword ``name`` out of ``defaults``; TypeError if it is not a bool."""
-    return check_flag(name, defaults.pop(name, default))
+    return check_bool(name, defaults.pop(name, default))
 
 
 def pop_predicate(defaults: dict[str, Any], name: str) -> Callable[[torch.Tensor], bool] | None:

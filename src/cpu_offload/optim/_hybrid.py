@@ -28,12 +28,12 @@ from typing import Any
 
 import torch
 
+from cpu_offload._args import check_bool
 from cpu_offload._compat import is_current_stream_capturing
 
 from ._args import (
     ParamsT,
     check_copy_dtype,
-    check_flag,
     check_optimizer_cls,
     materialize,
     pop_flag,
@@ -229,13 +229,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             ("pin_cpu_params", pin_cpu_params),
             ("overlap_cpu_optimizer_d2h_h2d", overlap_cpu_optimizer_d2h_h2d),
         ):
-            check_flag(name, value)
+            check_bool(name, value)
         defaults = dict(defaults)
         options = {name: defaults.pop(name) for name in KEYWORD_OPTIONS if name in defaults}
         is_device_param = pop_predicate(options, "is_device_param")
         early = options.pop("early_grad_copy", "auto")
         if early != "auto":
-            check_flag("early_grad_copy", early)
+            check_bool("early_grad_copy", early)
         overlap_forward = pop_flag(options, "overlap_host_step_with_forward", False)
         # "auto": off when the host steps in forward order, which needs the gradients
         # backward produces last (the first layers') first, so copies started earlier

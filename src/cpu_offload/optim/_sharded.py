@@ -157,11 +157,9 @@ class ShardedHybridDeviceOptimizer(torch.optim.Optimizer):
             for outer, inner in zip(self.param_groups, self.local.param_groups, strict=True):
                 inner.update({k: v for k, v in outer.items() if k != "params"})
             self.local.step()
-            # An optimizer that may return before its copies back have landed offers
-            # synchronize(): the broadcast below reads the parameters directly.
-            finish = getattr(self.local, "synchronize", None)
-            if callable(finish):
-                finish()
+            # With overlap_host_step_with_forward, step() returns before the copies
+            # back have landed: the broadcast below reads the parameters directly.
+            self.local.synchronize()
         for src, params in self._broadcasts:
             flat = torch.cat([p.detach().reshape(-1) for p in params])
             dist.broadcast(flat, src=src, group=self.process_group)

@@ -278,11 +278,9 @@ class _CommitOrder:
         self.layer_ran = False
         return None
 
-    def backward(self) -> bool:
-        """Record a backward commit; True for the first one of the iteration."""
-        first = not self.backward_seen
+    def backward(self) -> None:
+        """Record a backward commit."""
         self.backward_seen = True
-        return first
 
 
 def layer_windows(num_offload_group: int, num_model_group: int) -> list[int]:
