@@ -11,6 +11,7 @@ import pytest
 import torch
 from helpers import assert_bit_equal, step, top_saved_tensor_hooks
 
+import cpu_offload
 from cpu_offload import (
     HostTransport,
     is_cpu_offload_enabled,
@@ -308,9 +309,15 @@ def test_bad_min_tensor_size(value, error):
 
 
 @pytest.mark.parametrize("stream", ["stream", 0, object()])
-def test_offload_stream_must_be_a_cuda_stream(stream):
-    with pytest.raises(TypeError, match="offload_stream"):
+def test_offload_stream_must_be_a_cuda_stream(stream, monkeypatch):
+    message = r"offload_stream must be a torch.cuda.Stream or None, got "
+    with pytest.raises(TypeError, match=message):
         v2.get_cpu_offload_context(True, 1, 4, offload_stream=stream)
+    # The top-level function checks it under either backend (V1 then ignores it).
+    for v1 in ("0", "1"):
+        monkeypatch.setenv("NVTE_CPU_OFFLOAD_V1", v1)
+        with pytest.raises(TypeError, match=message):
+            cpu_offload.get_cpu_offload_context(True, 1, 4, offload_stream=stream)
 
 
 @pytest.mark.parametrize("transport", ["host", HostTransport, object()])

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from . import v1, v2
-from ._args import check_bool, check_int
+from ._args import check_bool, check_int, check_stream
 from ._switch import ENV_VAR, use_v1
 from ._warn import warn_at_caller
 from .engine.active import is_cpu_offload_enabled, is_current_layer_offloaded
@@ -177,11 +177,7 @@ def _check_v2_arguments_under_v1(
         )
     check_bool("retain_pinned_cpu_buffers", retain_pinned_cpu_buffers)
     check_int("min_tensor_size_to_offload", min_tensor_size_to_offload)
-    if offload_stream is not None and not isinstance(offload_stream, torch.cuda.Stream):
-        raise TypeError(
-            "offload_stream must be a torch.cuda.Stream or None, "
-            f"got {type(offload_stream).__name__}"
-        )
+    check_stream("offload_stream", offload_stream)
     tuning = [
         name
         for name, given in (

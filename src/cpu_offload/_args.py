@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import torch
+
 from ._warn import warn_at_caller
 
-__all__ = ["check_bool", "check_int", "activations_requested"]
+__all__ = ["activations_requested", "check_bool", "check_int", "check_stream"]
 
 
 def check_bool(name: str, value: object) -> bool:
@@ -19,6 +21,12 @@ def check_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     return value
+
+
+def check_stream(name: str, value: object) -> None:
+    """``TypeError`` naming ``name`` unless ``value`` is a ``torch.cuda.Stream`` or None."""
+    if value is not None and not isinstance(value, torch.cuda.Stream):
+        raise TypeError(f"{name} must be a torch.cuda.Stream or None, got {type(value).__name__}")
 
 
 def activations_requested(offload_activations: bool, offload_weights: bool) -> bool:

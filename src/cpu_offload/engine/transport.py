@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._args import check_stream
 from .layout import TensorLayout
 
 __all__ = [
@@ -261,15 +262,8 @@ class CudaTransport(Transport):
                 "CudaTransport needs CUDA, which is not available; use HostTransport to "
                 "run the offloading logic on CPU tensors"
             )
-        if stream is not None and not isinstance(stream, torch.cuda.Stream):
-            raise TypeError(
-                f"offload_stream must be a torch.cuda.Stream or None, got {type(stream).__name__}"
-            )
-        if reload_stream is not None and not isinstance(reload_stream, torch.cuda.Stream):
-            raise TypeError(
-                "reload_stream must be a torch.cuda.Stream or None, got "
-                f"{type(reload_stream).__name__}"
-            )
+        check_stream("offload_stream", stream)
+        check_stream("reload_stream", reload_stream)
         super().__init__(pool if pool is not None else HostBufferPool(pin_memory=True))
         self.stream = stream if stream is not None else torch.cuda.Stream()
         self.reload_stream = reload_stream if reload_stream is not None else self.stream

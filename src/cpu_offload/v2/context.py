@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .._args import activations_requested, check_bool, check_int
+from .._args import activations_requested, check_bool, check_int, check_stream
 from .._warn import warn_at_caller
 from ..engine.active import ActiveHooks, active_context
 from ..engine.context import OffloadContextBase
@@ -251,10 +251,7 @@ def get_cpu_offload_context(
         check_int("num_layers", num_layers)
     check_int("model_layers", model_layers)
     check_int("min_tensor_size_to_offload", min_tensor_size_to_offload)
-    if offload_stream is not None and not isinstance(offload_stream, torch.cuda.Stream):
-        raise TypeError(
-            f"offload_stream must be a torch.cuda.Stream or None, got {type(offload_stream).__name__}"
-        )
+    check_stream("offload_stream", offload_stream)
     if transport is not None:
         resolve_transport(transport)
     if double_buffering and enabled:
