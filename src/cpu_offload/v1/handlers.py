@@ -359,7 +359,6 @@ class AsyncDoubleBufferGroupOffloadHandler(SynchronizedGroupOffloadHandler):
             self._reload_at.setdefault(reload_layer, []).insert(0, group)
         self._buffers: list[list[torch.Tensor | None]] = [[], []]
         self._forward_done = False
-        self._offloaded_tensors = 0  # tensors taken for offloading in this iteration
         self._warned_nothing_offloaded = False
 
     # -- forward ---------------------------------------------------------------------
@@ -372,7 +371,6 @@ class AsyncDoubleBufferGroupOffloadHandler(SynchronizedGroupOffloadHandler):
         out = self.groups[self.current_group].push_tensor(tensor)
         if isinstance(out, torch.Tensor):
             return out
-        self._offloaded_tensors += 1
         return _tag(self.current_group, out, self.iteration)
 
     def on_group_commit_forward(self) -> None:
@@ -389,8 +387,11 @@ class AsyncDoubleBufferGroupOffloadHandler(SynchronizedGroupOffloadHandler):
             self._check_something_offloaded()
 
     def _check_something_offloaded(self) -> None:
-        # A whole forward ran: V1 offloads marked tensors only, and none was marked.
-        if self.num_offload_group == 0 or self._offloaded_tensors or self._warned_nothing_offloaded:
+        # A whole forward ran: V1 offloads marked tensors only, and none was marked. The
+        # offloaded groups hold what they took until the iteration is released.
+        if self._warned_nothing_offloaded or self.num_offload_group == 0:
+            return
+        if any(group.has_tensors for group in self.groups[: self.num_offload_group]):
             return
         self._warned_nothing_offloaded = True
         warn_at_caller(
@@ -456,7 +457,6 @@ class AsyncDoubleBufferGroupOffloadHandler(SynchronizedGroupOffloadHandler):
 
     def groupid_reset(self) -> None:
         super().groupid_reset()
-        self._offloaded_tensors = 0
         self.iteration += 1
         for state in self.groups:
             state.release_all_memory()
