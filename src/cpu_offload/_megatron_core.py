@@ -41,7 +41,6 @@ class _ContextFunction:
     ) -> Any:
         import cpu_offload
 
-        extra: dict[str, Any] = {} if self.transport is None else {"transport": self.transport}
         return cpu_offload.get_cpu_offload_context(
             enabled,
             num_layers,
@@ -50,7 +49,7 @@ class _ContextFunction:
             weight_offloading,
             double_buffering,
             retain_pinned_cpu_buffers=retain_pinned_cpu_buffers,
-            **extra,
+            transport=self.transport,
         )
 
 

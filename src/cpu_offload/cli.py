@@ -87,6 +87,7 @@ def _output_path(name: str):  # type: ignore[no-untyped-def]
 def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     """The ``cpu-offload`` parser and its ``compare`` subparser."""
     from . import __version__
+    from .compare.model import DEFAULT_VARIANTS
     from .compare.variants import VARIANTS
 
     parser = argparse.ArgumentParser(
@@ -166,9 +167,9 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     c.add_argument(
         "--variants",
         type=_variant_list,
-        default="v1-sync,v1-async,v2,checkpoint,save_on_cpu",
+        default=",".join(DEFAULT_VARIANTS),
         help=f"comma-separated, from: {', '.join(VARIANTS)}; none always runs "
-        "(default: v1-sync,v1-async,v2,checkpoint,save_on_cpu)",
+        f"(default: {','.join(DEFAULT_VARIANTS)})",
     )
     c.add_argument(
         "--device", choices=("cuda", "cpu"), help="(default: cuda when available, else cpu)"

@@ -13,7 +13,7 @@ import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from .model import Choice, Estimate, Profile, check_choices, estimate
+from .model import Choice, Estimate, Profile, estimate
 
 __all__ = ["NoPlanFits", "Plan", "best_single_methods", "brute_force", "search", "single_methods"]
 
@@ -325,7 +325,7 @@ def best_single_methods(
     )
     best: tuple[str, Estimate] | None = None
     for name, choices in methods.items():
-        est = estimate(profile, check_choices(choices, profile.num_layers))
+        est = estimate(profile, choices)
         if est.peak_bytes <= peak_bytes and (best is None or est.step_ms < best[1].step_ms):
             best = (name, est)
     return best

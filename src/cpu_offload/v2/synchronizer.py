@@ -380,12 +380,12 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
     def _check_something_offloaded(self) -> None:
         # A whole forward ran and no offloaded layer took a tensor: say so once, rather
         # than let the user believe memory was saved.
-        offloaded = sorted(self.schedule.offloaded)
-        if self._warned_nothing_offloaded or not offloaded:
+        if self._warned_nothing_offloaded or not self.schedule.offloaded:
             return
-        if any(self.layers[i].has_tensors for i in offloaded):
+        if any(self.layers[i].has_tensors for i in self.schedule.offloaded):
             return
         self._warned_nothing_offloaded = True
+        offloaded = sorted(self.schedule.offloaded)
         min_numel = getattr(self.policy, "min_numel", None)
         size = "" if min_numel is None else f" with at least {min_numel} elements"
         warn_at_caller(
