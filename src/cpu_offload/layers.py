@@ -109,7 +109,7 @@ class _Runner:
         if index == 0 and self.last_index not in (None, self.num_layers - 1):
             # The previous forward stopped between layers (an exception outside a layer):
             # start the iteration afresh instead of counting on from where it stopped.
-            self._restart()
+            self.context._restart_iteration()
         elif index != 0 and self.last_index != index - 1:
             self._refuse_order(index)
         self.last_index = None
@@ -120,7 +120,7 @@ class _Runner:
         try:
             out = sync_first(out, self.sync, index)
         except TypeError:
-            self._restart()
+            self.context._restart_iteration()
             raise
         self.last_index = index
         return out
@@ -146,20 +146,12 @@ class _Runner:
         else:
             skipped = ", ".join(str(i) for i in range(last + 1, index))
             cause = f"layer(s) {skipped} did not run between layers {last} and {index}"
-        self._restart()
+        self.context._restart_iteration()
         raise RuntimeError(
             f"offload_layers: {cause}. The offload schedule counts each layer once per "
             "forward, in order: run every wrapped layer once per forward (no layer drop, "
             "no reuse of a layer), or wrap only the layers that run that way"
         )
-
-    def _restart(self) -> None:
-        synchronizer = getattr(self.context, "offload_synchronizer", None)
-        if synchronizer is not None:  # V2
-            self.context.awaiting_sync = False
-            synchronizer.start_new_iteration()
-        else:  # V1
-            self.context.offload_handler.groupid_reset()
 
 
 # NOTE [Wrapped layers and their copies]

@@ -91,8 +91,13 @@ class CpuOffloadHookWithOffloadHandler(CpuOffloadSavedTensorHook):
     def is_current_layer_offloaded(self) -> bool:
         return self.offload_handler.is_current_group_offloaded()
 
-    def _abort(self) -> None:
+    def _restart_iteration(self) -> None:
+        """End the iteration now: the handler forgets it, and the next forward starts at
+        layer 0 (after a forward that stopped between layers)."""
         self.offload_handler.abort()
+
+    def _abort(self) -> None:
+        self._restart_iteration()
 
     def _on_enter(self) -> None:
         self.offload_handler.on_context_enter()

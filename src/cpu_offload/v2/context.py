@@ -75,9 +75,7 @@ class OffloadContext(OffloadContextBase):
                     f"between: call x = sync_function(x) on layer {self.layer_id}'s output "
                     "after its `with` block (entering again starts a new iteration)"
                 )
-            self.awaiting_sync = False
-            self._refused = False
-            self.offload_synchronizer.start_new_iteration()
+            self._restart_iteration()
         if not torch.is_grad_enabled():
             # Nothing is saved for backward: no layer is counted (evaluation loops).
             self._counted = False
@@ -98,13 +96,19 @@ class OffloadContext(OffloadContextBase):
         self.awaiting_sync = True
         return self._offload_hooks if sync.is_layer_offloaded(layer) else self._plain_hooks
 
+    def _restart_iteration(self) -> None:
+        """End the iteration now: every layer's tensors are dropped, and the next forward
+        starts at layer 0 (after a forward that stopped between layers)."""
+        self.awaiting_sync = False
+        self._refused = False
+        self.layer_id = None
+        self.offload_synchronizer.start_new_iteration()
+
     def _abort(self) -> None:
         if self._counted:
             # A failed layer (out of memory, say) ends the iteration: its buffers go,
             # and training that skips the batch continues exactly.
-            self.awaiting_sync = False
-            self.layer_id = None
-            self.offload_synchronizer.start_new_iteration()
+            self._restart_iteration()
 
 
 class _BackwardStart:
