@@ -8,14 +8,17 @@ differs per entry of the nox matrix (compat/README.md).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from packaging.version import Version
+from torch.utils.checkpoint import checkpoint
 
 import cpu_offload
 from cpu_offload import _compat
+from cpu_offload._compat import checkpoint_whole
 
 BELOW_2_11 = ["2.6.0", "2.9.1+cu126", "2.10.0", "2.10.0+cu128", "2.10.1"]
 FROM_2_11 = ["2.11.0", "2.11.0a0+git123", "2.11.0rc1", "2.13.0+cpu", "2.15.0", "3.0.0"]
@@ -224,3 +227,47 @@ def test_the_grep_pattern_catches_what_it_should() -> None:
         assert _VERSION_LOOKS.search(line), line
     for line in ["from cpu_offload._compat import TORCH_VERSION", "torch.version.cuda"]:
         assert not _VERSION_LOOKS.search(line), line
+
+
+def test_in_checkpoint_forward_inside_and_outside_checkpoints() -> None:
+    x = torch.ones(3, requires_grad=True)
+    seen: dict[str, bool] = {}
+
+    def probe(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        def fn(t: torch.Tensor) -> torch.Tensor:
+            if not _compat.in_backward():
+                seen[name] = _compat.in_checkpoint_forward()
+                seen[name + " stack"] = _compat._checkpoint_on_call_stack()
+            return t.exp()
+
+        return fn
+
+    checkpoint(probe("non-reentrant"), x, use_reentrant=False).sum().backward()
+    checkpoint(probe("reentrant"), x, use_reentrant=True).sum().backward()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        probe("other hooks")(x)
+    probe("outside")(x)
+    assert seen == {
+        "non-reentrant": True,
+        "non-reentrant stack": True,
+        "reentrant": False,  # runs without grad: nothing is saved there
+        "reentrant stack": False,
+        "other hooks": False,
+        "other hooks stack": False,
+        "outside": False,
+        "outside stack": False,
+    }
+
+
+def test_checkpoint_whole_runs_the_function_to_its_end_in_backward() -> None:
+    x = torch.ones(3, requires_grad=True)
+    ends: list[bool] = []
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        y = t.exp()
+        ends.append(True)  # after the last saved tensor
+        return y + 1
+
+    checkpoint_whole(fn, x).sum().backward()
+    assert len(ends) == 2  # the forward, and the whole recomputation
+    assert torch.equal(x.grad, torch.ones(3).exp())

@@ -8,10 +8,12 @@ among them) so that tests can check it for every release of the nox matrix.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 import torch
+import torch.utils.checkpoint as torch_checkpoint
 from packaging.version import InvalidVersion, Version
 
 __all__ = [
@@ -20,8 +22,10 @@ __all__ = [
     "TORCH_VERSION",
     "TORCH_VERSION_STRING",
     "capture_buffer_policy",
+    "checkpoint_whole",
     "fused_optimizer_supported",
     "in_backward",
+    "in_checkpoint_forward",
     "is_current_stream_capturing",
     "is_fake_or_functional",
     "parse_torch_version",
@@ -188,3 +192,99 @@ def in_backward() -> bool:
     supported release.
     """
     return torch._C._current_graph_task_id() != -1
+
+
+#: Whether ``torch.utils.checkpoint.checkpoint`` takes ``early_stop`` (PyTorch 2.9 on);
+#: before, only the ``set_checkpoint_early_stop`` context manager sets it.
+_EARLY_STOP_KWARG = "early_stop" in inspect.signature(torch_checkpoint.checkpoint).parameters
+
+
+def checkpoint_whole(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` whose recomputation
+    runs ``function`` to its end.
+
+    See NOTE [Recomputation runs the whole layer] in :mod:`cpu_offload.layers`: the
+    default early stop ends the recomputation at the last saved tensor, so a layer
+    that clears state it keeps on itself after that point never clears it.
+
+    Args:
+        function: What to run (a layer's forward).
+        *args: Its positional arguments.
+        **kwargs: Its keyword arguments.
+
+    Returns:
+        What ``function`` returns.
+
+    Example:
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> checkpoint_whole(torch.mul, x, 3.0).sum().backward()
+        >>> x.grad
+        tensor([3., 3.])
+    """
+    if _EARLY_STOP_KWARG:
+        return torch_checkpoint.checkpoint(
+            function, *args, use_reentrant=False, early_stop=False, **kwargs
+        )
+    with torch_checkpoint.set_checkpoint_early_stop(False):
+        return torch_checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
+
+
+def in_checkpoint_forward() -> bool:
+    """Whether the innermost saved-tensor hooks are those of a checkpoint's forward.
+
+    Inside the forward of ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` the
+    checkpoint's hooks replace each saved tensor by a placeholder and recompute it in
+    backward; an offload context entered there must leave them in charge (NOTE
+    [Offloading inside a checkpoint] in :mod:`cpu_offload.engine.context`). A
+    checkpoint's pack hook closes over its ``_CheckpointFrame``; that is how it is told
+    from any other hook.
+
+    Returns:
+        True inside a non-reentrant checkpoint's forward (selective checkpointing too),
+        False elsewhere (a reentrant checkpoint runs its forward without grad, so
+        nothing is saved there).
+
+    Example:
+        >>> in_checkpoint_forward()
+        False
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> seen = []
+        >>> _ = torch.utils.checkpoint.checkpoint(
+        ...     lambda t: seen.append(in_checkpoint_forward()) or t * 2, x, use_reentrant=False
+        ... )
+        >>> seen
+        [True]
+    """
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return _checkpoint_on_call_stack()
+    hooks = top(False)
+    if hooks is None:
+        return False
+    frame_type = getattr(torch_checkpoint, "_CheckpointFrame", None)
+    if frame_type is None:  # pragma: no cover - every supported release has it
+        return False
+    cells = getattr(hooks[0], "__closure__", None) or ()
+    for cell in cells:
+        try:
+            if isinstance(cell.cell_contents, frame_type):
+                return True
+        except ValueError:  # an empty cell
+            continue
+    return False
+
+
+#: The code of ``torch.utils.checkpoint.checkpoint`` itself (under its decorators).
+_CHECKPOINT_CODE = inspect.unwrap(torch_checkpoint.checkpoint).__code__
+
+
+def _checkpoint_on_call_stack() -> bool:
+    """:func:`in_checkpoint_forward` where the hook stack cannot be read (before 2.8):
+    whether a non-reentrant ``checkpoint`` call is running further up this thread's
+    stack, its function being called."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code is _CHECKPOINT_CODE and frame.f_locals.get("use_reentrant") is False:
+            return True
+        frame = frame.f_back
+    return False

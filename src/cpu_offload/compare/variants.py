@@ -13,9 +13,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from .. import v1, v2
+from .._compat import checkpoint_whole
 from .._marking import MarkOutputs
 from ..engine.selection import is_marked_for_offload
 from ..engine.transport import Transport
@@ -193,7 +193,7 @@ class _Checkpoint(Variant):
 
     def call(self, index, forward, args, kwargs):  # type: ignore[no-untyped-def]
         if index < self.k:
-            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+            return checkpoint_whole(forward, *args, **kwargs)
         return forward(*args, **kwargs)
 
 

@@ -68,6 +68,11 @@ class ActiveHooks:
             else torch.autograd.graph.saved_tensors_hooks(pack, unpack)
         )
 
+    @property
+    def has_hooks(self) -> bool:
+        """Whether entering pushes saved-tensor hooks (False: it only marks the context)."""
+        return self._hooks is not None
+
     def __enter__(self) -> ActiveHooks:
         if self._hooks is not None:
             self._hooks.__enter__()

@@ -7,10 +7,28 @@ Subclasses decide which hooks a block gets (:meth:`OffloadContextBase._open`) an
 a failed block ends (:meth:`OffloadContextBase._abort`).
 """
 
+# NOTE [Offloading inside a checkpoint]
+# A layer may run inside the forward of a non-reentrant activation checkpoint that the
+# model applies itself (transformers' gradient_checkpointing_enable, a CheckpointWrapper,
+# torch.utils.checkpoint around a block). The checkpoint's saved-tensor hooks keep
+# nothing of what the layer saves: each tensor becomes a placeholder, recomputed in
+# backward. Saved-tensor hooks nest, and only the innermost pair sees a tensor: pushed
+# inside the checkpoint, the offload hooks would take every tensor the checkpoint means
+# to drop, copy it to the host and back, and hold the reloaded copies until the layer's
+# backward: more bytes moved, and a higher peak than the checkpoint alone. So a block
+# entered inside a checkpoint's forward pushes no saved-tensor hooks: the layer still
+# counts in the schedule, and the checkpoint frees what it promises. What the checkpoint
+# does keep, the layer's inputs, it saves before its own hooks are pushed: to offload
+# those, the offload context must be entered around the checkpoint, not inside it, which
+# offload_layers arranges where it can (NOTE [Layers that checkpoint themselves] in
+# cpu_offload.layers).
+
 from __future__ import annotations
 
 from types import TracebackType
 
+from .._compat import in_checkpoint_forward
+from .._log import logger
 from .active import ActiveHooks, ContextOwner
 
 __all__ = ["OffloadContextBase"]
@@ -51,6 +69,10 @@ class OffloadContextBase:
         owner.claim(self._layer_pending())
         try:
             hooks = self._open()
+            if hooks.has_hooks and in_checkpoint_forward():
+                # See NOTE [Offloading inside a checkpoint].
+                logger.debug("offload context entered inside a checkpoint: no hooks pushed")
+                hooks = ActiveHooks(self)
             hooks.__enter__()  # last step: nothing after it can fail
         except BaseException:
             owner.release()

@@ -393,7 +393,8 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
             f"and offloaded nothing, although layers {offloaded} are to be offloaded: no "
             f"tensor they saved for backward was on the transport's device{size} (and not "
             "a parameter or marked not to offload). Lower min_tensor_size_to_offload, or "
-            "check that those layers run under the context"
+            "check that those layers run under the context, and not inside an activation "
+            "checkpoint of the model's own, which keeps nothing of theirs to offload"
         )
 
     def _pushes_to(self, layer_id: int) -> bool:
