@@ -10,19 +10,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import types
-import weakref
 from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from ._args import check_int
-from ._compat import in_backward
+from ._compat import checkpoint_whole, in_backward, in_checkpoint_forward
 from ._layer_stack import check_indices, find_layers, offload_schedule
+from ._layer_wrap import Patch, patch_layer, wrap_of
 from ._log import logger
 from ._marking import MarkOutputs
 from ._switch import ENV_VAR, use_v1
@@ -67,6 +65,19 @@ def sync_first(out: Any, sync: Callable[[torch.Tensor], torch.Tensor], index: in
     )
 
 
+# NOTE [Recomputation runs the whole layer]
+# Recomputed layers go through torch.utils.checkpoint.checkpoint(use_reentrant=False)
+# with early stop off. With early stop on (PyTorch's default), the recomputation in
+# backward ends as soon as the last saved tensor is saved again, and the rest of the
+# layer's forward never runs. A layer that keeps a tensor on itself in the middle of its
+# forward and clears it at the end (Megatron-Core's TransformerLayer keeps its MLP norm's
+# input until the end of the MLP) then keeps the recomputed tensor, and with it the
+# recomputed graph, until its next forward: each recomputed layer adds its saved bytes to
+# the next step's peak. Running the recomputation to its end costs the few operations
+# after the last saved tensor (the layer's final residual addition) and frees what the
+# recomputation promises.
+
+
 class _Runner:
     """Runs one layer's forward: recomputed, offloaded, or counted by the schedule."""
 
@@ -95,10 +106,13 @@ class _Runner:
             # backward (a model's own activation checkpointing, whose activations are
             # used at once): the schedule must not count it.
             return forward(*args, **kwargs)
-        if index in self.recomputed:
+        if index in self.recomputed and not in_checkpoint_forward():
+            # See NOTE [Recomputation runs the whole layer]. Inside the model's own
+            # checkpoint the layer is recomputed already: a second one would only add
+            # another recomputation.
 
             def run() -> Any:
-                return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+                return checkpoint_whole(forward, *args, **kwargs)
         else:
 
             def run() -> Any:
@@ -154,57 +168,6 @@ class _Runner:
         )
 
 
-# NOTE [Wrapped layers and their copies]
-# offload_layers puts a bound method on each layer instance, ``forward`` (so that
-# nn.Module.__call__ finds it), and the wrapping state beside it under _WRAP_ATTR. The
-# state knows the very layer it was made for. A copy of a wrapped layer
-# (``copy.deepcopy`` for an EMA or reference model, ``torch.save`` of the whole model)
-# gets the bound method rebound to itself, and the state shared (``__deepcopy__``) or
-# dropped (pickling); seeing that the state is not its own, the copy runs its class's
-# forward: a plain layer with its own weights, outside the original's schedule. Were
-# the state a closure over the original's bound forward, the copy would run the
-# original's weights and advance its schedule.
-_WRAP_ATTR = "_cpu_offload_wrap"
-
-
-class _Wrap:
-    """What :func:`offload_layers` keeps on one wrapped layer (see the NOTE above)."""
-
-    __slots__ = ("forward", "index", "layer", "runner")
-
-    def __init__(
-        self, layer: nn.Module, runner: _Runner, index: int, forward: Callable[..., Any]
-    ) -> None:
-        self.layer = weakref.ref(layer)
-        self.runner = runner
-        self.index = index
-        self.forward = forward  # the layer's own forward, as it was before wrapping
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> _Wrap:
-        return self  # shared: the copy sees that it is not the layer this was made for
-
-    def __reduce__(self) -> tuple[Callable[[], None], tuple[()]]:
-        return (_no_wrap, ())
-
-
-def _no_wrap() -> None:
-    """What a pickled :class:`_Wrap` loads as: nothing (the loaded layer is plain)."""
-    return None
-
-
-def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """The forward :func:`offload_layers` installs (named so that pickling finds a plain one)."""
-    wrap = self.__dict__.get(_WRAP_ATTR)
-    if wrap is None or wrap.layer() is not self:
-        # A copy of a wrapped layer: see NOTE [Wrapped layers and their copies].
-        return type(self).forward(self, *args, **kwargs)
-    return wrap.runner(wrap.index, wrap.forward, args, kwargs)
-
-
-_wrapped_forward = forward
-del forward
-
-
 class OffloadedLayers:
     """What :func:`offload_layers` returns: the wrapped layers, and how to unwrap them.
 
@@ -236,20 +199,13 @@ class OffloadedLayers:
         self.backend = backend
         self.context = context
         self.sync = sync
-        self._installed: list[tuple[nn.Module, Any, bool, Any]] = []
+        self._installed: list[Patch] = []
 
     def _install(self, runner: _Runner) -> None:
         counted = runner.context is not None  # every layer counts in the schedule
         for index, layer in enumerate(self.layers):
-            if not counted and index not in runner.recomputed:
-                continue
-            had_own = "forward" in layer.__dict__
-            previous = layer.__dict__.get("forward")
-            wrap = _Wrap(layer, runner, index, layer.forward)
-            forward = types.MethodType(_wrapped_forward, layer)
-            layer.__dict__[_WRAP_ATTR] = wrap
-            layer.forward = forward  # type: ignore[method-assign]
-            self._installed.append((layer, forward, had_own, previous))
+            if counted or index in runner.recomputed:
+                self._installed.append(patch_layer(layer, runner, index))
 
     @property
     def active(self) -> bool:
@@ -257,26 +213,19 @@ class OffloadedLayers:
         return bool(self._installed)
 
     def remove(self) -> None:
-        """Put back each layer's own ``forward``: the model behaves as before the call.
+        """Put back each layer's own ``forward`` (or class): the model behaves as before
+        the call.
 
         Calling it again does nothing.
 
         Raises:
-            RuntimeError: If a layer's ``forward`` was replaced again after
+            RuntimeError: If a layer's ``forward`` (or class) was replaced again after
                 :func:`offload_layers` wrapped it (removing ours would drop that one too).
         """
-        for layer, forward, _, _ in self._installed:
-            if layer.__dict__.get("forward") is not forward:
-                raise RuntimeError(
-                    f"offload_layers: the forward of {type(layer).__name__} was replaced "
-                    "after offload_layers wrapped it; undo that wrapper first"
-                )
-        for layer, _, had_own, previous in self._installed:
-            if had_own:
-                layer.forward = previous  # type: ignore[method-assign]
-            else:
-                del layer.__dict__["forward"]
-            del layer.__dict__[_WRAP_ATTR]
+        for patch in self._installed:
+            patch.check()
+        for patch in self._installed:
+            patch.undo()
         self._installed.clear()
         logger.debug("offload_layers: removed from %d layers", self.num_layers)
 
@@ -458,8 +407,7 @@ def offload_layers(
             "recomputed=[...]"
         )
     for index, layer in enumerate(layers):
-        wrap = layer.__dict__.get(_WRAP_ATTR)
-        if wrap is not None and wrap.layer() is layer:
+        if wrap_of(layer) is not None:
             raise ValueError(
                 f"offload_layers: layer {index} ({type(layer).__name__}) is already wrapped "
                 "by offload_layers; call remove() on that handle first"
