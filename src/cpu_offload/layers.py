@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 from collections.abc import Callable, Iterable
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -25,7 +25,7 @@ from ._log import logger
 from ._marking import MarkOutputs
 from ._switch import ENV_VAR, use_v1
 
-__all__ = ["OffloadedLayers", "layer_runner", "offload_layers", "sync_first"]
+__all__ = ["OffloadedLayers", "StepWatch", "layer_runner", "offload_layers", "sync_first"]
 
 # Arguments offload_layers computes itself from the layers and the indices.
 _OWN_ARGUMENTS = (
@@ -78,6 +78,19 @@ def sync_first(out: Any, sync: Callable[[torch.Tensor], torch.Tensor], index: in
 # recomputation promises.
 
 
+class StepWatch(Protocol):
+    """What :meth:`OffloadedLayers.watch_steps` calls on each training forward.
+
+    ``forward_started()`` runs before the first layer of a forward with grad enabled (it
+    may call :meth:`OffloadedLayers.reassign`, or raise to stop the step);
+    ``forward_ended(output)`` runs after the last layer, with its output.
+    """
+
+    def forward_started(self) -> None: ...
+
+    def forward_ended(self, output: Any) -> None: ...
+
+
 class _Runner:
     """Runs one layer's forward: recomputed, offloaded, or counted by the schedule."""
 
@@ -97,6 +110,14 @@ class _Runner:
         self.num_layers = num_layers
         self.mark_outputs = mark_outputs
         self.last_index: int | None = None
+        self.watch: StepWatch | None = None
+
+    def take(self, other: _Runner) -> None:
+        """Run as ``other`` does from the next forward on (another set of layers)."""
+        self.context, self.sync = other.context, other.sync
+        self.offloaded, self.recomputed = other.offloaded, other.recomputed
+        self.mark_outputs = other.mark_outputs
+        self.last_index = None
 
     def __call__(
         self, index: int, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict
@@ -106,6 +127,19 @@ class _Runner:
             # backward (a model's own activation checkpointing, whose activations are
             # used at once): the schedule must not count it.
             return forward(*args, **kwargs)
+        watch = self.watch
+        if watch is None:
+            return self._run(index, forward, args, kwargs)
+        if index == 0:
+            watch.forward_started()
+        out = self._run(index, forward, args, kwargs)
+        if index == self.num_layers - 1:
+            watch.forward_ended(out)
+        return out
+
+    def _run(
+        self, index: int, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict
+    ) -> Any:
         if index in self.recomputed and not in_checkpoint_forward():
             # See NOTE [Recomputation runs the whole layer]. Inside the model's own
             # checkpoint the layer is recomputed already: a second one would only add
@@ -186,26 +220,75 @@ class OffloadedLayers:
     def __init__(
         self,
         layers: list[nn.Module],
-        offloaded: frozenset[int],
-        recomputed: frozenset[int],
+        runner: _Runner,
         backend: str | None,
-        context: Any,
-        sync: Callable[[torch.Tensor], torch.Tensor] | None,
+        context_kwargs: dict[str, Any],
     ) -> None:
         self.layers = layers
         self.num_layers = len(layers)
-        self.offloaded = tuple(sorted(offloaded))
-        self.recomputed = tuple(sorted(recomputed))
-        self.backend = backend
-        self.context = context
-        self.sync = sync
-        self._installed: list[Patch] = []
+        self._runner = runner
+        self._context_kwargs = context_kwargs
+        self._describe(backend)
+        self._installed: dict[int, Patch] = {}
 
-    def _install(self, runner: _Runner) -> None:
+    def _describe(self, backend: str | None) -> None:
+        runner = self._runner
+        self.offloaded = tuple(sorted(runner.offloaded))
+        self.recomputed = tuple(sorted(runner.recomputed))
+        self.backend = backend
+        self.context = runner.context
+        self.sync = runner.sync
+
+    def _install(self, every_layer: bool = False) -> None:
+        runner = self._runner
         counted = runner.context is not None  # every layer counts in the schedule
         for index, layer in enumerate(self.layers):
-            if counted or index in runner.recomputed:
-                self._installed.append(patch_layer(layer, runner, index))
+            wanted = every_layer or counted or index in runner.recomputed
+            if wanted and index not in self._installed:
+                self._installed[index] = patch_layer(layer, runner, index)
+
+    def reassign(self, *, offloaded: Iterable[int] = (), recomputed: Iterable[int] = ()) -> None:
+        """Offload and recompute other layers, from the next forward on.
+
+        The offload context is made again with the arguments :func:`offload_layers`
+        was given. Call it between training steps (after a backward, before the next
+        forward), never during one.
+
+        Args:
+            offloaded: Layer indices to offload.
+            recomputed: Layer indices to recompute; none of them offloaded.
+
+        Raises:
+            RuntimeError: If the layers are no longer wrapped (after :meth:`remove`).
+            ValueError: As :func:`offload_layers` for the same indices.
+        """
+        if not self.active:
+            raise RuntimeError("offload_layers: reassign() after remove(); wrap the layers again")
+        offloaded_set, recomputed_set = _checked_sets(None, offloaded, recomputed, self.num_layers)
+        runner, backend = layer_runner(
+            self.num_layers, offloaded_set, recomputed_set, **self._context_kwargs
+        )
+        self._runner.take(runner)
+        self._describe(backend)
+        self._install(every_layer=self._runner.watch is not None)
+        logger.debug("offload_layers: reassigned to %r", self)
+
+    @property
+    def watch(self) -> StepWatch | None:
+        """What :meth:`watch_steps` installed, or None."""
+        return self._runner.watch
+
+    def watch_steps(self, watch: StepWatch) -> None:
+        """Have ``watch`` called at the start and the end of each training forward.
+
+        Every layer is wrapped from now on, so that the first and the last run through
+        the handle whatever they do.
+
+        Args:
+            watch: The :class:`StepWatch` (``apply_plan``'s budget check, say).
+        """
+        self._runner.watch = watch
+        self._install(every_layer=True)
 
     @property
     def active(self) -> bool:
@@ -222,11 +305,12 @@ class OffloadedLayers:
             RuntimeError: If a layer's ``forward`` (or class) was replaced again after
                 :func:`offload_layers` wrapped it (removing ours would drop that one too).
         """
-        for patch in self._installed:
+        for patch in self._installed.values():
             patch.check()
-        for patch in self._installed:
+        for patch in self._installed.values():
             patch.undo()
         self._installed.clear()
+        self._runner.watch = None
         logger.debug("offload_layers: removed from %d layers", self.num_layers)
 
     def __enter__(self) -> OffloadedLayers:
@@ -266,6 +350,24 @@ def _offloaded_set(
             f"num_offloaded must be in [0, {n}] for a stack of {n} layers, got {num_offloaded}"
         )
     return frozenset(range(num_offloaded))
+
+
+def _checked_sets(
+    num_offloaded: int | None,
+    offloaded: Iterable[int] | None,
+    recomputed: Iterable[int],
+    n: int,
+) -> tuple[frozenset[int], frozenset[int]]:
+    """The offloaded and the recomputed layer indices, checked and disjoint."""
+    offloaded_set = _offloaded_set(num_offloaded, offloaded, n)
+    recomputed_set = check_indices("recomputed", recomputed, n)
+    both = sorted(offloaded_set & recomputed_set)
+    if both:
+        raise ValueError(
+            f"offload_layers: layers {both} are both offloaded and recomputed; a layer's "
+            "activations are either offloaded or recomputed, not both"
+        )
+    return offloaded_set, recomputed_set
 
 
 def _make_context(
@@ -393,14 +495,7 @@ def offload_layers(
             f"offload_layers sets {', '.join(own)} itself from the layers and the indices; "
             "pass num_offloaded or offloaded instead"
         )
-    offloaded_set = _offloaded_set(num_offloaded, offloaded, n)
-    recomputed_set = check_indices("recomputed", recomputed, n)
-    both = sorted(offloaded_set & recomputed_set)
-    if both:
-        raise ValueError(
-            f"offload_layers: layers {both} are both offloaded and recomputed; a layer's "
-            "activations are either offloaded or recomputed, not both"
-        )
+    offloaded_set, recomputed_set = _checked_sets(num_offloaded, offloaded, recomputed, n)
     if num_offloaded is None and offloaded is None and not recomputed_set:
         raise ValueError(
             "offload_layers: nothing to do; pass num_offloaded=k, offloaded=[...] or "
@@ -413,9 +508,7 @@ def offload_layers(
                 "by offload_layers; call remove() on that handle first"
             )
     runner, backend = layer_runner(n, offloaded_set, recomputed_set, **context_kwargs)
-    handle = OffloadedLayers(
-        layers, offloaded_set, recomputed_set, backend, runner.context, runner.sync
-    )
-    handle._install(runner)
+    handle = OffloadedLayers(layers, runner, backend, context_kwargs)
+    handle._install()
     logger.debug("offload_layers: %r", handle)
     return handle

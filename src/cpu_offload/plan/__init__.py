@@ -9,12 +9,14 @@ the plan whose modelled step is fastest within a budget (:func:`estimate` is the
 from __future__ import annotations
 
 from .apply import apply_plan
+from .budget import BudgetCheck, PlanOverBudget
 from .io import PlanFileError, load_plan, save_plan
 from .model import Choice, Estimate, LayerCost, Link, Profile, estimate
 from .profile import profile_model
 from .search import NoPlanFits, Plan, best_single_methods, search, single_methods
 
 __all__ = [
+    "BudgetCheck",
     "Choice",
     "Estimate",
     "LayerCost",
@@ -22,6 +24,7 @@ __all__ = [
     "NoPlanFits",
     "Plan",
     "PlanFileError",
+    "PlanOverBudget",
     "Profile",
     "apply_plan",
     "best_single_methods",

@@ -7,8 +7,10 @@ from typing import Any
 
 from torch import nn
 
+from .._args import check_bool
 from .._layer_stack import find_layers
 from ..layers import OffloadedLayers, offload_layers
+from .budget import BudgetCheck
 from .search import Plan
 
 __all__ = ["apply_plan", "check_plan_layers"]
@@ -44,19 +46,33 @@ def check_plan_layers(plan: Plan, num_layers: int, name: str = "plan") -> None:
 
 
 def apply_plan(
-    model_or_layers: nn.Module | Iterable[nn.Module], plan: Plan, **context_kwargs: Any
+    model_or_layers: nn.Module | Iterable[nn.Module],
+    plan: Plan,
+    *,
+    check_budget: bool = True,
+    **context_kwargs: Any,
 ) -> OffloadedLayers:
     """Offload and recompute the layers of ``model_or_layers`` as ``plan`` says.
 
     Offloaded layers run under the offload context with the schedule the plan was
     modelled with; recomputed layers run through
-    ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``; kept layers run as they
-    are. Results are bit-identical to the model without offloading.
+    ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``, recomputed to the end of
+    their forward; kept layers run as they are. Results are bit-identical to the model
+    without offloading.
+
+    On a GPU the first training step's peak memory is checked against the plan's
+    budget (:class:`cpu_offload.plan.budget.BudgetCheck`, at ``handle.watch``): over
+    it, the plan is made again for the budget less the model's error and runs from the
+    next step (with a warning), and that step is checked too; where no plan fits, the
+    next forward raises :class:`cpu_offload.plan.PlanOverBudget`, saying by how much
+    the plan is over. The check resets the CUDA peak-memory statistics when a step it
+    watches begins.
 
     Args:
         model_or_layers: What :func:`cpu_offload.offload_layers` accepts.
         plan: A plan from :func:`cpu_offload.plan.search` or
             :func:`cpu_offload.plan.load_plan`.
+        check_budget: Check the budget on the first steps (GPU only).
         **context_kwargs: Passed to :func:`cpu_offload.get_cpu_offload_context`
             (``transport``, ``min_tensor_size_to_offload``, ...).
 
@@ -65,7 +81,7 @@ def apply_plan(
         model.
 
     Raises:
-        TypeError: If ``plan`` is not a :class:`Plan`.
+        TypeError: If ``plan`` is not a :class:`Plan`, or ``check_budget`` not a bool.
         ValueError: If the plan was made for another number of layers; and whatever
             :func:`cpu_offload.offload_layers` raises.
 
@@ -78,8 +94,13 @@ def apply_plan(
         >>> layers(torch.randn(8, 64, requires_grad=True)).sum().backward()
         >>> handle.remove()
     """
-    check_plan_layers(plan, len(find_layers(model_or_layers)))
+    check_bool("check_budget", check_budget)
+    layers = find_layers(model_or_layers)
+    check_plan_layers(plan, len(layers))
     # offloaded=() (not None) so that a plan keeping every layer is a valid no-op.
-    return offload_layers(
-        model_or_layers, offloaded=plan.offloaded, recomputed=plan.recomputed, **context_kwargs
+    handle = offload_layers(
+        layers, offloaded=plan.offloaded, recomputed=plan.recomputed, **context_kwargs
     )
+    if check_budget and any(p.is_cuda for layer in layers for p in layer.parameters()):
+        handle.watch_steps(BudgetCheck(handle, plan))
+    return handle

@@ -41,6 +41,7 @@ def _profile_to_dict(profile: Profile) -> dict[str, Any]:
         "device": profile.device,
         "static_bytes": profile.static_bytes,
         "other_ms": profile.other_ms,
+        "head_bytes": profile.head_bytes,
         "link": {
             "d2h_gbps": profile.link.d2h_gbps,
             "h2d_gbps": profile.link.h2d_gbps,
@@ -174,6 +175,8 @@ def _profile_from(r: _Reader) -> Profile:
         static_bytes=r.count("static_bytes"),
         other_ms=r.number("other_ms"),
         device=r.text("device"),
+        # Absent from files written before the head was measured.
+        head_bytes=r.count("head_bytes") if "head_bytes" in r.data else 0,
     )
 
 

@@ -7,7 +7,9 @@ follow the schedule :func:`offload_schedule` builds: the memory bound of the def
 schedule (at most as many layers' activations on the device as there are layers not
 offloaded) holds, and compute waits for an offload to finish where the schedule
 releases its memory. Recomputed layers keep their input from their forward to their
-backward, where their forward runs again just before their backward.
+backward, where their forward runs again just before their backward. Between the last
+layer's forward and its backward, the output head and the loss take their own memory
+(:attr:`Profile.head_bytes`) on top of what the layers hold.
 """
 
 from __future__ import annotations
@@ -119,6 +121,9 @@ class Profile:
             optimizer state, the batch): the peak is this plus the step's own memory.
         other_ms: Step time outside the layers (loss, embedding, optimizer).
         device: Where it was measured, in words.
+        head_bytes: Memory the part of the step between the last layer's forward and its
+            backward (the output head and the loss) takes at its peak, above what the
+            layers hold then. With a large vocabulary the step's peak falls there.
     """
 
     layers: tuple[LayerCost, ...]
@@ -126,6 +131,7 @@ class Profile:
     static_bytes: int = 0
     other_ms: float = 0.0
     device: str = ""
+    head_bytes: int = 0
 
     @property
     def num_layers(self) -> int:
@@ -361,6 +367,9 @@ def estimate(profile: Profile, choices: Sequence[object]) -> Estimate:
             # Each tensor's copy may start once it is saved; the last ends after the layer.
             tl.copies.run_until(start)
             offload_job[j] = tl.copies.queue("d2h", start, cost.offload_bytes, end)
+    # The head and the loss run on what the layers hold at the end of the forward.
+    tl.alloc(profile.head_bytes)
+    tl.free(profile.head_bytes)
     for j in reversed(range(n)):
         cost, choice = layers[j], plan[j]
         run_point(Point(False, j))

@@ -4,8 +4,10 @@ Hooks on the layers record, per layer: forward and backward time (CUDA events on
 the wall clock on the CPU), the bytes autograd saves (distinct storages, parameters
 excluded) and the part of them the engine would offload (its own selection policy and
 tensor grouping, at the same threshold), the layer's input, the temporary memory of its
-forward and backward (GPU only), and, in a run with every layer recomputed, the cost of
-recomputation. The link is measured with pinned copies on streams (on the CPU stand-in:
+forward and backward, and that of the output head and loss (GPU only). Steps without
+hooks, keeping every layer and recomputing every layer, give the step time the hooks'
+per-layer times are scaled to, and the total cost of recomputation, shared out by
+forward time. The link is measured with pinned copies on streams (on the CPU stand-in:
 copies between host tensors).
 """
 
@@ -82,6 +84,9 @@ class _Probe:
         self.saved_bytes = [(0, 0)] * len(layers)
         self.input_bytes = [0] * len(layers)
         self.workspace = [0] * len(layers)
+        #: Peak memory of the head and loss above what the layers hold (GPU only).
+        self.head_bytes = 0
+        self._head_from: int | None = None
         self._saving: Any = None
         self._mem_at = 0
         self._bwd_open: int | None = None
@@ -132,6 +137,8 @@ class _Probe:
                 # What the forward held at its peak beyond what it left allocated.
                 peak = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
                 self.workspace[j] = max(self.workspace[j], peak)
+            if j == len(self.layers) - 1 and self.capture and self.clock.cuda:
+                self._head_from = self._memory_mark()
             self.fwd[j].append(self.clock.now())
             y = _first_tensor(out)
             if y is not None and y.grad_fn is not None:
@@ -141,6 +148,10 @@ class _Probe:
 
     def _backward(self, j: int) -> Callable[..., None]:
         def hook(*_: object) -> None:
+            if self._head_from is not None:
+                # The last layer's backward begins: the head and the loss are done.
+                self.head_bytes = torch.cuda.max_memory_allocated() - self._head_from
+                self._head_from = None
             self._close_backward()
             self.bwd_start[j] = self.clock.now()
             self._bwd_open = j
@@ -193,6 +204,44 @@ def _timed_step(
     ends = [probe.bwd_start[j - 1] if j > 0 else end for j in range(n)]
     bwd = [clock.ms(probe.bwd_start[j], ends[j]) for j in range(n)]
     return probe, clock.ms(start, end), fwd, bwd
+
+
+def _scaled_times(
+    fwd: list[float], bwd: list[float], probed_ms: float, plain_ms: float
+) -> tuple[list[float], list[float], float]:
+    """Per-layer times scaled so that they and the rest of the step add up to ``plain_ms``.
+
+    The hooks that time each layer add host time; where the host bounds the step, that
+    lengthens the layers' times. Scaling them by ``plain_ms / probed_ms`` keeps their
+    proportions and makes the model of keeping every layer the step measured without
+    hooks.
+
+    Returns:
+        ``(forward ms, backward ms, other ms)``.
+
+    Example:
+        >>> _scaled_times([2.0], [4.0], 10.0, 5.0)
+        ([1.0], [2.0], 2.0)
+    """
+    scale = plain_ms / probed_ms if probed_ms > 0 else 1.0
+    fwd = [f * scale for f in fwd]
+    bwd = [b * scale for b in bwd]
+    return fwd, bwd, max(plain_ms - sum(fwd) - sum(bwd), 0.0)
+
+
+def _plain_step_ms(step: Callable[[], torch.Tensor], clock: _Clock, steps: int) -> float:
+    """Median time of ``steps`` forward and backward passes, with no hooks of ours."""
+    times = []
+    for _ in range(steps):
+        if clock.cuda:
+            torch.cuda.synchronize()
+        start = clock.now()
+        step().backward()
+        end = clock.now()
+        if clock.cuda:
+            torch.cuda.synchronize()
+        times.append(clock.ms(start, end))
+    return statistics.median(times)
 
 
 def _with_grads(
@@ -311,9 +360,12 @@ def profile_model(
     for _ in range(warmup):
         _timed_step(layers, step, clock)
     runs = [_timed_step(layers, step, clock) for _ in range(steps)]
-    step_ms = statistics.median(r[1] for r in runs)
     fwd = [statistics.median(r[2][j] for r in runs) for j in range(len(layers))]
     bwd = [statistics.median(r[3][j] for r in runs) for j in range(len(layers))]
+    # The hooks' own time is not the model's: scale the per-layer times to a step run
+    # without them (see _scaled_times).
+    plain_ms = _plain_step_ms(step, clock, steps)
+    fwd, bwd, other_ms = _scaled_times(fwd, bwd, statistics.median(r[1] for r in runs), plain_ms)
 
     static = torch.cuda.memory_allocated() if cuda else 0
     # The engine's own selection at the same threshold: what offloading would move.
@@ -326,11 +378,13 @@ def profile_model(
         from ..layers import offload_layers
 
         with offload_layers(layers, offloaded=(), recomputed=range(len(layers))):
-            _timed_step(layers, step, clock)
-            rec = [_timed_step(layers, step, clock) for _ in range(steps)]
-        rerun = [
-            max(statistics.median(r[3][j] for r in rec) - bwd[j], 0.0) for j in range(len(layers))
-        ]
+            _plain_step_ms(step, clock, 1)
+            recompute_all_ms = _plain_step_ms(step, clock, steps)
+        # Recomputation's cost measured as a whole (its per-layer share is too small to
+        # time alone), shared out by forward time.
+        extra = max(recompute_all_ms - plain_ms, 0.0)
+        total_fwd = sum(fwd) or 1.0
+        rerun = [extra * f / total_fwd for f in fwd]
     costs = tuple(
         LayerCost(
             forward_ms=fwd[j],
@@ -350,8 +404,9 @@ def profile_model(
         costs,
         link,
         static_bytes=static,
-        other_ms=max(step_ms - sum(fwd) - sum(bwd), 0.0),
+        other_ms=other_ms,
         device=name,
+        head_bytes=probe.head_bytes,
     )
 
 

@@ -1,0 +1,174 @@
+"""Plans for three budgets on a real model, trained and measured against each budget.
+
+Run as a script by tests/test_plan_cuda.py, in its own process (Megatron-Core's process
+group and global state are per process, and each model starts from an empty GPU). For
+the model it measures the peak of training steps without a plan, profiles the model,
+makes a plan for each budget (a fraction of that peak), applies it (with its budget
+check) and trains the same steps; every loss and gradient must be bit-identical to the
+run without a plan. Prints one JSON line: per budget, the plan, the modelled and
+measured step and peak, and each step's peak.
+
+Usage: plan_budget_steps.py {llama,megatron} [--fractions 0.8,0.6,0.45] [--steps 3]
+"""
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import time
+import warnings
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import torch
+
+from cpu_offload.plan import apply_plan, profile_model, search
+
+parser = argparse.ArgumentParser()
+parser.add_argument("model", choices=["llama", "megatron"])
+parser.add_argument("--fractions", default="0.8,0.6,0.45")
+parser.add_argument("--steps", type=int, default=3)
+parser.add_argument("--layers", type=int, default=8)
+parser.add_argument("--hidden", type=int, default=512)
+parser.add_argument("--seq", type=int, default=1024)
+parser.add_argument("--batch", type=int, default=4)
+args = parser.parse_args()
+torch.use_deterministic_algorithms(True)
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    h = args.hidden
+    cfg = LlamaConfig(
+        hidden_size=h,
+        intermediate_size=int(2.6875 * h),
+        num_hidden_layers=args.layers,
+        num_attention_heads=h // 64,
+        num_key_value_heads=h // 64,
+        vocab_size=32000,
+        max_position_embeddings=args.seq,
+    )
+    model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).train()
+    return model, lambda ids: model(input_ids=ids, labels=ids).loss
+
+
+def _megatron():
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.module import Float16Module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if not torch.distributed.is_initialized():
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(port)
+        torch.distributed.init_process_group("nccl", rank=0, world_size=1)
+        parallel_state.initialize_model_parallel(1, 1)
+    torch.manual_seed(1)
+    model_parallel_cuda_manual_seed(1)
+    cfg = TransformerConfig(
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=args.hidden // 64,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+    )
+    gpt = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=32768, max_sequence_length=args.seq)
+    model = Float16Module(cfg, gpt.cuda())
+    s = args.seq
+    pos = torch.arange(s, device="cuda").unsqueeze(0).expand(args.batch, -1)
+    mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool, device="cuda"), diagonal=1)
+    return model, lambda ids: model(ids, pos, mask, labels=torch.roll(ids, -1, 1)).float().mean()
+
+
+BUILD = {"llama": _llama, "megatron": _megatron}[args.model]
+gen = torch.Generator(device="cuda").manual_seed(0)
+batches = [
+    torch.randint(0, 32000, (args.batch, args.seq), device="cuda", generator=gen)
+    for _ in range(args.steps)
+]
+
+
+def train(model, loss_of, handle=None):
+    """Each step's loss, gradients, peak and time, with an SGD update between steps."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    out = []
+    for ids in batches:
+        for p in params:
+            p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        loss = loss_of(ids)
+        loss.backward()
+        torch.cuda.synchronize()
+        ms = (time.perf_counter() - start) * 1e3
+        out.append(
+            {
+                "loss": loss.detach().clone(),
+                "grads": [p.grad.clone() for p in params],
+                "peak": torch.cuda.max_memory_allocated(),
+                "ms": ms,
+            }
+        )
+        with torch.no_grad():
+            for p in params:
+                p.sub_(1e-2 * p.grad)
+    return out
+
+
+model, loss_of = BUILD()
+plain = train(model, loss_of)
+none_peak = max(s["peak"] for s in plain[1:])
+del model, loss_of
+torch.cuda.empty_cache()
+
+
+def _profile():
+    model, loss_of = BUILD()
+    return profile_model(model, lambda: loss_of(batches[0]), steps=3)
+
+
+profile = _profile()
+torch.cuda.empty_cache()
+result = {"model": args.model, "none_peak": none_peak, "none_ms": plain[-1]["ms"], "budgets": []}
+for fraction in [float(f) for f in args.fractions.split(",")]:
+    model, loss_of = BUILD()
+    budget = int(fraction * none_peak)
+    plan = search(profile, budget)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        handle = apply_plan(model, plan)
+        steps = train(model, loss_of, handle)
+    check = handle.watch
+    for step, (got, want) in enumerate(zip(steps, plain, strict=True)):
+        assert torch.equal(got["loss"], want["loss"]), (fraction, step, "loss")
+        for i, (a, b) in enumerate(zip(got["grads"], want["grads"], strict=True)):
+            assert torch.equal(a, b), (fraction, step, f"gradient {i}")
+    result["budgets"].append(
+        {
+            "fraction": fraction,
+            "budget": budget,
+            "plan": plan.describe(),
+            "final_plan": check.plan.describe(),
+            "tightened": check.tightened,
+            "modelled_peak": plan.peak_bytes,
+            "modelled_ms": plan.step_ms,
+            "step_peaks": [s["peak"] for s in steps],
+            "measured_ms": statistics.median(s["ms"] for s in steps[1:]),
+            "warnings": [str(w.message) for w in caught if "peaked at" in str(w.message)],
+        }
+    )
+    handle.remove()
+    del model, loss_of, handle, check, steps
+    torch.cuda.empty_cache()
+print(json.dumps(result))
