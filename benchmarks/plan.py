@@ -1,14 +1,16 @@
 """Planner benchmark: plans for several budgets, run and measured beside the single methods.
 
-For each workload (A of ``activation_offload.py``, the default model of
-``cpu-offload compare`` on a GPU, and Megatron-Core's GPT, workload D, when
-``megatron.core`` imports) it profiles the model, makes a plan for each budget (a
-fraction of the modelled peak without offloading), runs it, and reports modelled
-against measured step and peak; then the fastest single method (offload the first k,
-recompute the first k, recompute every layer) whose measured peak is at or below the
-plan's, all measured in the same process.
+For each workload (a ``transformers`` Llama built from a config, Megatron-Core's GPT at
+two sizes, the second being workload D, and the default model of ``cpu-offload compare``
+on a GPU) it measures training steps without a plan, profiles the model, makes a plan
+for each budget (a fraction of the measured peak without a plan), applies it with its
+budget check and trains, and reports the modelled against the measured step and peak
+(the first step's, before any tightening), whether the loss and every gradient of the
+first step are bit-identical to the run without a plan, and the fastest single method
+(offload the first k, recompute the first k, recompute every layer) whose measured peak
+is at or below the plan's, all measured in the same process.
 
-    python benchmarks/plan.py --json plan.json --markdown plan.md
+    CUBLAS_WORKSPACE_CONFIG=:4096:8 python benchmarks/plan.py --json plan.json --markdown plan.md
     python benchmarks/plan.py --quick        # smaller models, about a minute
 """
 
@@ -31,22 +33,35 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import run_isolated, write_reports  # noqa: E402
 from activation_offload import WORKLOADS  # noqa: E402
 
+from cpu_offload._layer_stack import find_layers  # noqa: E402
 from cpu_offload.models import ModelSpec, build_layers, run_layers  # noqa: E402
-from cpu_offload.plan import Choice, estimate, profile_model, search, single_methods  # noqa: E402
+from cpu_offload.plan import (  # noqa: E402
+    Choice,
+    NoPlanFits,
+    apply_plan,
+    estimate,
+    profile_model,
+    search,
+    single_methods,
+)
 from cpu_offload.plan.profile import measure_choices  # noqa: E402
-from cpu_offload.plan.search import NoPlanFits  # noqa: E402
 
-GPT = {
-    "A": WORKLOADS["A"],
+# Each workload: its builder and its dimensions, full and --quick.
+WORKLOAD_DIMS = {
+    "llama": ("llama", dict(layers=12, hidden=1024, seq=2048, batch=4)),
+    "megatron": ("megatron", dict(layers=12, hidden=1024, heads=8, seq=2048, batch=2)),
+    "D": ("megatron", dict(layers=16, hidden=2048, heads=16, seq=2048, batch=2)),
     # cpu-offload compare's default model on a GPU.
-    "compare": dict(hidden=2048, heads=16, batch=2, seq=2048, layers=8),
+    "compare": ("gpt", dict(hidden=2048, heads=16, batch=2, seq=2048, layers=8)),
+    "A": ("gpt", WORKLOADS["A"]),
 }
-QUICK = {
-    "A": dict(hidden=2048, heads=16, batch=2, seq=2048, layers=8),
+QUICK_DIMS = {
+    "llama": dict(layers=8, hidden=512, seq=1024, batch=4),
+    "megatron": dict(layers=8, hidden=512, heads=8, seq=1024, batch=2),
+    "D": dict(layers=8, hidden=1024, heads=8, seq=1024, batch=2),
     "compare": dict(hidden=1024, heads=8, batch=2, seq=1024, layers=8),
+    "A": dict(hidden=2048, heads=16, batch=2, seq=2048, layers=8),
 }
-MEGATRON = dict(layers=16, hidden=2048, heads=16, seq=2048, batch=2, vocab=32768)
-MEGATRON_QUICK = dict(layers=8, hidden=1024, heads=8, seq=1024, batch=2, vocab=32768)
 
 
 def _gpt(dims: dict) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
@@ -54,6 +69,25 @@ def _gpt(dims: dict) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
     layers = build_layers(spec, "cuda")
     x = spec.make_input("cuda")
     return layers, lambda: run_layers(layers, x).float().square().mean()
+
+
+def _llama(dims: dict) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    h = dims["hidden"]
+    cfg = LlamaConfig(
+        hidden_size=h,
+        intermediate_size=int(2.6875 * h),
+        num_hidden_layers=dims["layers"],
+        num_attention_heads=h // 64,
+        num_key_value_heads=h // 64,
+        vocab_size=32000,
+        max_position_embeddings=dims["seq"],
+    )
+    model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).train()
+    ids = torch.randint(0, 32000, (dims["batch"], dims["seq"]), device="cuda")
+    return model, lambda: model(input_ids=ids, labels=ids, use_cache=False).loss
 
 
 def _megatron(dims: dict) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
@@ -84,25 +118,63 @@ def _megatron(dims: dict) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
     gpt = GPTModel(
         cfg,
         get_gpt_layer_local_spec(),
-        vocab_size=dims["vocab"],
+        vocab_size=dims.get("vocab", 32768),
         max_sequence_length=dims["seq"],
     )
     model = Float16Module(cfg, gpt.cuda())
     b, s = dims["batch"], dims["seq"]
-    tokens = torch.randint(0, dims["vocab"], (b, s), device="cuda")
+    tokens = torch.randint(0, dims.get("vocab", 32768), (b, s), device="cuda")
     labels = torch.roll(tokens, -1, 1)
     pos = torch.arange(s, device="cuda").unsqueeze(0).expand(b, -1)
     mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool, device="cuda"), diagonal=1)
     return model, lambda: model(tokens, pos, mask, labels=labels).float().mean()
 
 
+def _build(name: str, quick: bool) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
+    kind, dims = WORKLOAD_DIMS[name]
+    dims = QUICK_DIMS[name] if quick else dims
+    return {"llama": _llama, "megatron": _megatron, "gpt": _gpt}[kind](dims)
+
+
+def _params(model: nn.Module) -> list[torch.Tensor]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _first_step(model: nn.Module, step: Callable[[], torch.Tensor]) -> tuple:
+    """One step's loss and gradients, kept on the host."""
+    for p in _params(model):
+        p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
+    loss = step()
+    loss.backward()
+    return loss.detach().cpu(), [p.grad.cpu() for p in _params(model)]
+
+
+def _run_plan(model: nn.Module, step: Callable[[], torch.Tensor], plan, steps: int) -> dict:  # type: ignore[no-untyped-def]
+    """Apply ``plan`` with its budget check; the first step's numerics, peak and time."""
+    with apply_plan(model, plan) as handle:
+        first = _first_step(model, step)
+        check = handle.watch
+        first_peak = check.measured_peak_bytes
+        # Once the check is done (or the plan was tightened), time the plan as it runs.
+        _first_step(model, step)
+        ms, peak = measure_choices(model, step, check.plan.choices, steps=steps)
+    return {
+        "numerics": first,
+        "first_peak": first_peak,
+        "final_plan": check.plan.describe(),
+        "tightened": check.tightened,
+        "measured": [ms, peak],
+    }
+
+
 def _run(name: str, quick: bool, fractions: list[float], steps: int) -> dict:
-    if name == "D":
-        model, step = _megatron(MEGATRON_QUICK if quick else MEGATRON)
-    else:
-        model, step = _gpt((QUICK if quick else GPT)[name])
+    torch.use_deterministic_algorithms(True)
+    model, step = _build(name, quick)
+    n = len(find_layers(model))
+    none_ms, none_peak = measure_choices(model, step, [Choice.KEEP] * n, steps=steps)
+    assert none_peak is not None
+    reference = _first_step(model, step)
     profile = profile_model(model, step, steps=steps)
-    n = profile.num_layers
     keep = estimate(profile, [Choice.KEEP] * n)
 
     def measured(choices) -> tuple[float, int]:  # type: ignore[no-untyped-def]
@@ -110,7 +182,6 @@ def _run(name: str, quick: bool, fractions: list[float], steps: int) -> dict:
         assert peak is not None
         return ms, peak
 
-    none_ms, none_peak = measured([Choice.KEEP] * n)
     # Every single method, measured once; each budget compares against the fastest of
     # them whose measured peak is at or below the plan's.
     singles = {}
@@ -120,13 +191,19 @@ def _run(name: str, quick: bool, fractions: list[float], steps: int) -> dict:
         singles[label] = {"modelled": [est.step_ms, est.peak_bytes], "measured": [ms, peak]}
     rows = []
     for fraction in fractions:
-        budget = int(fraction * keep.peak_bytes)
+        budget = int(fraction * none_peak)
         try:
             plan = search(profile, budget)
         except NoPlanFits as err:
             rows.append({"fraction": fraction, "budget_bytes": budget, "error": str(err)})
             continue
-        ms, peak = measured(plan.choices)
+        got = _run_plan(model, step, plan, steps)
+        loss, grads = got.pop("numerics")
+        exact = torch.equal(loss, reference[0]) and all(
+            torch.equal(a, b) for a, b in zip(grads, reference[1], strict=True)
+        )
+        ms, peak = got["measured"]
+        first_peak = got["first_peak"]
         fits = [(v["measured"][0], k) for k, v in singles.items() if v["measured"][1] <= peak]
         best = min(fits) if fits else None
         rows.append(
@@ -134,11 +211,15 @@ def _run(name: str, quick: bool, fractions: list[float], steps: int) -> dict:
                 "fraction": fraction,
                 "budget_bytes": budget,
                 "plan": plan.describe(),
+                "final_plan": got["final_plan"],
+                "tightened": got["tightened"],
                 "modelled": [plan.step_ms, plan.peak_bytes],
                 "measured": [ms, peak],
-                "within_budget": peak <= budget,
+                "first_step_peak": first_peak,
+                "exact": exact,
+                "within_budget": peak <= 1.01 * budget,
                 "model_step_error": plan.step_ms / ms - 1,
-                "model_peak_error": plan.peak_bytes / peak - 1,
+                "model_peak_error": plan.peak_bytes / first_peak - 1,
                 "best_single": None if best is None else best[1],
                 "best_single_measured": None if best is None else singles[best[1]]["measured"],
                 "speedup_vs_best_single": None if best is None else best[0] / ms,
@@ -161,7 +242,10 @@ def _markdown(results: list[dict], device: str) -> str:
     gib = 2**30
     out = [
         f"Measured {datetime.date.today().isoformat()} on {device}, torch {torch.__version__}; "
-        "median step, peak of torch.cuda.max_memory_allocated.",
+        "median step; peak of torch.cuda.max_memory_allocated (the first step's for the model "
+        "error, before any tightening by the budget check); budgets are fractions of the "
+        "measured peak without a plan; exact: the first step's loss and every gradient "
+        "bit-identical to no plan.",
         "",
     ]
     for res in results:
@@ -175,20 +259,23 @@ def _markdown(results: list[dict], device: str) -> str:
             f"{res['none']['modelled'][0]:.1f} ms, {res['none']['modelled'][1] / gib:.2f} GiB)",
             "",
             "| budget GiB | plan | modelled ms / GiB | measured ms / GiB | model error step / peak "
-            "| best single method at <= peak | its ms / GiB | plan speedup |",
-            "|---:|---|---:|---:|---:|---|---:|---:|",
+            "| exact | best single method at <= peak | its ms / GiB | plan speedup |",
+            "|---:|---|---:|---:|---:|---|---|---:|---:|",
         ]
         for r in res["rows"]:
             if "error" in r:
-                out.append(f"| {r['budget_bytes'] / gib:.2f} | {r['error']} | | | | | | |")
+                out.append(f"| {r['budget_bytes'] / gib:.2f} | {r['error']} | | | | | | | |")
                 continue
             best = r["best_single_measured"]
+            plan = r["plan"]
+            if r["final_plan"] != plan:
+                plan += f" (tightened to {r['final_plan']})"
             out.append(
-                f"| {r['budget_bytes'] / gib:.2f} | {r['plan']} | {r['modelled'][0]:.1f} / "
+                f"| {r['budget_bytes'] / gib:.2f} | {plan} | {r['modelled'][0]:.1f} / "
                 f"{r['modelled'][1] / gib:.2f} | {r['measured'][0]:.1f} / "
                 f"{r['measured'][1] / gib:.2f}{'' if r['within_budget'] else ' (over)'} | "
                 f"{r['model_step_error']:+.1%} / {r['model_peak_error']:+.1%} | "
-                f"{r['best_single'] or '-'} | "
+                f"{'yes' if r['exact'] else 'NO'} | {r['best_single'] or '-'} | "
                 + ("-" if best is None else f"{best[0]:.1f} / {best[1] / gib:.2f}")
                 + " | "
                 + (
@@ -211,9 +298,13 @@ def _isolated(name: str, args: argparse.Namespace) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller models (about a minute)")
-    parser.add_argument("--workloads", default="A,compare,D", help="comma-separated: A, compare, D")
     parser.add_argument(
-        "--budgets", default="0.8,0.6,0.4", help="fractions of the modelled no-offload peak"
+        "--workloads",
+        default="llama,megatron,D,compare",
+        help=f"comma-separated, of: {', '.join(WORKLOAD_DIMS)}",
+    )
+    parser.add_argument(
+        "--budgets", default="0.8,0.6,0.45", help="fractions of the measured peak without a plan"
     )
     parser.add_argument("--steps", type=int, default=3, help="timed steps per configuration")
     parser.add_argument("--json", help="write all figures as JSON")
@@ -222,17 +313,23 @@ def main() -> int:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("this benchmark needs a CUDA GPU")
+    if os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in (":4096:8", ":16:8"):
+        parser.error("set CUBLAS_WORKSPACE_CONFIG=:4096:8 (the numerics are compared exactly)")
     fractions = [float(f) for f in args.budgets.split(",")]
     if args.one:
         print(json.dumps(_run(args.one, args.quick, fractions, args.steps), default=str))
         return 0
     names = [w.strip() for w in args.workloads.split(",") if w.strip()]
-    if "D" in names:
+    unknown = [w for w in names if w not in WORKLOAD_DIMS]
+    if unknown:
+        parser.error(f"--workloads: unknown {unknown}; choose from {', '.join(WORKLOAD_DIMS)}")
+    for needs, kind in (("megatron.core", "megatron"), ("transformers", "llama")):
         try:
-            import megatron.core  # noqa: F401
+            __import__(needs)
         except ImportError:
-            print("megatron.core does not import: workload D skipped", file=sys.stderr)
-            names.remove("D")
+            skipped = [w for w in names if WORKLOAD_DIMS[w][0] == kind]
+            print(f"{needs} does not import: {skipped} skipped", file=sys.stderr)
+            names = [w for w in names if w not in skipped]
     device = torch.cuda.get_device_name()
     results: list[dict] = []
     for name in names:

@@ -262,3 +262,26 @@ def test_offload_layers_beside_transformers_checkpointing_moves_only_the_inputs(
     assert torch.equal(loss, want_loss)
     for g, w in zip(grads, want_grads, strict=True):
         assert torch.equal(g, w)
+
+
+def test_the_kv_cache_is_left_out_of_training_forwards() -> None:
+    # A cache would keep every layer's keys and values, and the recomputation in
+    # backward would update it a second time (keys twice as long).
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+    model = _llama(checkpointing=False)
+    want = model(input_ids=ids, labels=ids, use_cache=False).loss
+    want.backward()
+    want_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    with offload_layers(model, recomputed=[0, 1, 2, 3]):
+        with pytest.warns(UserWarning, match="the transformers cache passed as"):
+            out = model(input_ids=ids, labels=ids, use_cache=True)
+        out.loss.backward()
+        cache = out.past_key_values
+        assert cache is None or cache.get_seq_length() == 0
+        with torch.no_grad():  # evaluation keeps its cache
+            kept = model(input_ids=ids, use_cache=True).past_key_values
+        assert kept.get_seq_length() == 32
+    assert torch.equal(out.loss, want)
+    for g, w in zip((p.grad for p in model.parameters()), want_grads, strict=True):
+        assert torch.equal(g, w)

@@ -111,6 +111,7 @@ def test_plans_keep_their_budgets_on_real_models(model: str, needs: str) -> None
     result = _plans_on(model)  # every loss and gradient bit-identical, checked there
     assert [b["fraction"] for b in result["budgets"]] == [0.8, 0.6, 0.45]
     for b in result["budgets"]:
+        assert b["error"] is None, b
         limit = b["budget"] * 1.01
         # A first step over budget tightens the plan (with a warning); every step after
         # the budget check is done stays within it.

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
+import warnings
 from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any, Protocol
@@ -78,6 +80,39 @@ def sync_first(out: Any, sync: Callable[[torch.Tensor], torch.Tensor], index: in
 # recomputation promises.
 
 
+# NOTE [No KV cache in training forwards]
+# transformers' decoders make a KV cache in every forward whose config says use_cache,
+# training included, and pass it to each layer, which stores its keys and values in it.
+# The cache holds them until the model's output is dropped, after the forward: an
+# offloaded layer's keys and values are then copied to the host without their device
+# memory being freed, and a recomputed layer keeps them although its checkpoint means to
+# drop them. Worse, the recomputation in backward updates the cache a second time
+# (transformers' own gradient checkpointing drops the cache for that reason), doubling
+# the keys the recomputed attention runs over. So in forwards with grad enabled, the
+# layers offload_layers wraps get None where a transformers Cache was passed; evaluation
+# and generation (under no_grad) keep theirs.
+
+
+def _without_cache(index: int, kwargs: dict) -> dict:
+    """``kwargs`` with each transformers ``Cache`` replaced by None (see the NOTE above)."""
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    cache_type = getattr(cache_utils, "Cache", None)
+    if cache_type is None:
+        return kwargs
+    found = [name for name, value in kwargs.items() if isinstance(value, cache_type)]
+    if not found:
+        return kwargs
+    if index == 0:
+        warnings.warn(
+            f"offload_layers: the transformers cache passed as {', '.join(found)} is not given "
+            "to the wrapped layers in forwards with grad enabled: it would keep every layer's "
+            "keys and values on the device, and a recomputation would update it twice. Pass "
+            "use_cache=False to the model in training to leave it out yourself",
+            stacklevel=4,
+        )
+    return {**kwargs, **dict.fromkeys(found, None)}
+
+
 class StepWatch(Protocol):
     """What :meth:`OffloadedLayers.watch_steps` calls on each training forward.
 
@@ -127,6 +162,7 @@ class _Runner:
             # backward (a model's own activation checkpointing, whose activations are
             # used at once): the schedule must not count it.
             return forward(*args, **kwargs)
+        kwargs = _without_cache(index, kwargs)
         watch = self.watch
         if watch is None:
             return self._run(index, forward, args, kwargs)
