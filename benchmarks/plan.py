@@ -21,6 +21,7 @@ import dataclasses
 import datetime
 import json
 import os
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +39,7 @@ from cpu_offload.models import ModelSpec, build_layers, run_layers  # noqa: E402
 from cpu_offload.plan import (  # noqa: E402
     Choice,
     NoPlanFits,
+    PlanOverBudget,
     apply_plan,
     estimate,
     profile_model,
@@ -150,20 +152,41 @@ def _first_step(model: nn.Module, step: Callable[[], torch.Tensor]) -> tuple:
 
 
 def _run_plan(model: nn.Module, step: Callable[[], torch.Tensor], plan, steps: int) -> dict:  # type: ignore[no-untyped-def]
-    """Apply ``plan`` with its budget check; the first step's numerics, peak and time."""
+    """Apply ``plan`` with its budget check; the first step's numerics and peak, then the
+    step time and peak of the plan as it runs once the check is done."""
+    error = None
     with apply_plan(model, plan) as handle:
         first = _first_step(model, step)
         check = handle.watch
         first_peak = check.measured_peak_bytes
-        # Once the check is done (or the plan was tightened), time the plan as it runs.
-        _first_step(model, step)
-        ms, peak = measure_choices(model, step, check.plan.choices, steps=steps)
+        # A plan over budget runs tightened from the next step, which is checked again.
+        for _ in range(check.max_tightenings + 2):
+            if check.done:
+                break
+            try:
+                step().backward()
+            except PlanOverBudget as exc:
+                error = str(exc)
+                break
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(steps):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            step().backward()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        peak = torch.cuda.max_memory_allocated()
     return {
         "numerics": first,
         "first_peak": first_peak,
         "final_plan": check.plan.describe(),
         "tightened": check.tightened,
-        "measured": [ms, peak],
+        "measured": [statistics.median(times), peak],
+        "check_error": error,
     }
 
 
@@ -213,6 +236,7 @@ def _run(name: str, quick: bool, fractions: list[float], steps: int) -> dict:
                 "plan": plan.describe(),
                 "final_plan": got["final_plan"],
                 "tightened": got["tightened"],
+                "check_error": got["check_error"],
                 "modelled": [plan.step_ms, plan.peak_bytes],
                 "measured": [ms, peak],
                 "first_step_peak": first_peak,

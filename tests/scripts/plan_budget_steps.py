@@ -5,8 +5,9 @@ group and global state are per process, and each model starts from an empty GPU)
 the model it measures the peak of training steps without a plan, profiles the model,
 makes a plan for each budget (a fraction of that peak), applies it (with its budget
 check) and trains the same steps; every loss and gradient must be bit-identical to the
-run without a plan. Prints one JSON line: per budget, the plan, the modelled and
-measured step and peak, and each step's peak.
+run without a plan. Prints one JSON line: per budget, the plan (or why none fits), the
+modelled and measured step and peak, each step's peak, and the steps whose loss or
+gradients differ from the run without a plan (none, for the test to pass).
 
 Usage: plan_budget_steps.py {llama,megatron} [--fractions 0.8,0.6,0.45] [--steps 3]
 """
@@ -22,7 +23,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import torch
 
-from cpu_offload.plan import PlanOverBudget, apply_plan, profile_model, search
+from cpu_offload.plan import NoPlanFits, PlanOverBudget, apply_plan, profile_model, search
 
 parser = argparse.ArgumentParser()
 parser.add_argument("model", choices=["llama", "megatron"])
@@ -147,7 +148,11 @@ result["profile_keep"] = [profile.static_bytes, profile.head_bytes, profile.othe
 for fraction in [float(f) for f in args.fractions.split(",")]:
     model, loss_of = BUILD()
     budget = int(fraction * none_peak)
-    plan = search(profile, budget)
+    try:
+        plan = search(profile, budget)
+    except NoPlanFits as exc:
+        result["budgets"].append({"fraction": fraction, "budget": budget, "no_plan": str(exc)})
+        continue
     error = None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -157,10 +162,12 @@ for fraction in [float(f) for f in args.fractions.split(",")]:
         except PlanOverBudget as exc:
             error, steps = str(exc), []
     check = handle.watch
-    for step, (got, want) in enumerate(zip(steps, plain[: len(steps)], strict=True)):
-        assert torch.equal(got["loss"], want["loss"]), (fraction, step, "loss")
-        for i, (a, b) in enumerate(zip(got["grads"], want["grads"], strict=True)):
-            assert torch.equal(a, b), (fraction, step, f"gradient {i}")
+    differ = [
+        f"step {step}: " + ("loss" if not torch.equal(got["loss"], want["loss"]) else "gradients")
+        for step, (got, want) in enumerate(zip(steps, plain[: len(steps)], strict=True))
+        if not torch.equal(got["loss"], want["loss"])
+        or not all(torch.equal(a, b) for a, b in zip(got["grads"], want["grads"], strict=True))
+    ]
     result["budgets"].append(
         {
             "fraction": fraction,
@@ -175,6 +182,7 @@ for fraction in [float(f) for f in args.fractions.split(",")]:
             "measured_ms": statistics.median(s["ms"] for s in steps[1:]) if steps else None,
             "warnings": [str(w.message) for w in caught if "peaked at" in str(w.message)],
             "error": error,
+            "differ": differ,
         }
     )
     handle.remove()
