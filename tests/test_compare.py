@@ -132,7 +132,7 @@ def test_cli_output_in_a_missing_folder_fails_before_the_run(option, tmp_path, c
 
 
 def test_cli_layers_has_an_upper_bound(capsys):
-    from cpu_offload.cli import MAX_LAYERS
+    from cpu_offload.cli._options import MAX_LAYERS
 
     err = cli_usage_error(["compare", "--layers", str(MAX_LAYERS + 1)], capsys)
     assert f"--layers must be in [1, {MAX_LAYERS}]" in err

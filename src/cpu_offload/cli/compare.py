@@ -1,64 +1,32 @@
-"""The ``cpu-offload`` command line."""
+"""``cpu-offload compare``: the variants side by side on one model, and the optimizer
+section beside them."""
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:
-    import torch
+from ._model import model_workload
+from ._options import (
+    DTYPES,
+    MAX_LAYERS,
+    add_model_option,
+    int_in,
+    output_path,
+    positive,
+    positive_float,
+)
 
-    from .compare.workload import Workload
-
-__all__ = ["main"]
-
-_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-
-
-#: The largest ``--layers``: a deeper built-in model is not a comparison but a long wait.
-MAX_LAYERS = 512
-
-
-def _int_in(name: str, low: int, high: int | None = None):  # type: ignore[no-untyped-def]
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"{name} must be >= {low}, got {value}")
-        if high is not None and value > high:
-            raise argparse.ArgumentTypeError(f"{name} must be in [{low}, {high}], got {value}")
-        return value
-
-    return parse
-
-
-def _positive(name: str):  # type: ignore[no-untyped-def]
-    return _int_in(name, 1)
-
-
-def _positive_float(name: str):  # type: ignore[no-untyped-def]
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
-        if not math.isfinite(value) or value <= 0:
-            raise argparse.ArgumentTypeError(f"{name} must be a finite number > 0, got {text!r}")
-        return value
-
-    return parse
+__all__ = ["add_parser", "run"]
 
 
 def _variant_list(text: str) -> list[str]:
     """``--variants``: a comma-separated list of known variants, at least one."""
-    from .compare.variants import VARIANTS
+    from ..compare.variants import VARIANTS
 
     names = [v.strip() for v in text.split(",") if v.strip()]
     allowed = ", ".join(VARIANTS)
@@ -72,31 +40,12 @@ def _variant_list(text: str) -> list[str]:
     return names
 
 
-def _output_path(name: str):  # type: ignore[no-untyped-def]
-    def parse(text: str) -> str:
-        folder = Path(text).expanduser().resolve().parent
-        if not folder.is_dir():
-            raise argparse.ArgumentTypeError(
-                f"{name} {text!r}: the folder {str(folder)!r} does not exist"
-            )
-        return text
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``compare`` subcommand to the ``cpu-offload`` parser's subparsers."""
+    from ..compare.model import DEFAULT_VARIANTS
+    from ..compare.variants import VARIANTS
 
-    return parse
-
-
-def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
-    """The ``cpu-offload`` parser and its ``compare`` subparser."""
-    from . import __version__
-    from .compare.model import DEFAULT_VARIANTS
-    from .compare.variants import VARIANTS
-
-    parser = argparse.ArgumentParser(
-        prog="cpu-offload",
-        description="Offload activations to host memory; compare V1, V2 and the alternatives.",
-    )
-    parser.add_argument("--version", action="version", version=f"cpu-offload {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-    c = sub.add_parser(
+    c = subparsers.add_parser(
         "compare",
         help="run one model under no offloading, V1, V2, checkpointing, save_on_cpu and "
         "optimizer-state offloading",
@@ -129,19 +78,19 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     add_model_option(c, "The optimizer section runs on the built-in kinds only.")
     c.add_argument(
         "--hidden",
-        type=_positive("--hidden"),
+        type=positive("--hidden"),
         help="model width, built-in kinds (default: 2048 / 128)",
     )
     c.add_argument(
         "--heads",
-        type=_positive("--heads"),
+        type=positive("--heads"),
         help="attention heads, built-in kinds (default: 16 / 4)",
     )
-    c.add_argument("--seq", type=_positive("--seq"), help="sequence length (default: 2048 / 128)")
-    c.add_argument("--batch", type=_positive("--batch"), help="batch size (default: 2 / 4)")
+    c.add_argument("--seq", type=positive("--seq"), help="sequence length (default: 2048 / 128)")
+    c.add_argument("--batch", type=positive("--batch"), help="batch size (default: 2 / 4)")
     c.add_argument(
         "--layers",
-        type=_int_in("--layers", 1, MAX_LAYERS),
+        type=int_in("--layers", 1, MAX_LAYERS),
         help=f"number of layers n, at most {MAX_LAYERS}; for hf: it overrides "
         "num_hidden_layers (default: 8 / 6; hf: the config's)",
     )
@@ -152,16 +101,16 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         "model.cpu_offloading_num_layers=k (default: 2, 1 with fewer than 4 layers)",
     )
     c.add_argument(
-        "--dtype", choices=sorted(_DTYPES), help="parameters' dtype (default: bf16 / fp32)"
+        "--dtype", choices=sorted(DTYPES), help="parameters' dtype (default: bf16 / fp32)"
     )
     c.add_argument(
         "--steps",
-        type=_positive("--steps"),
+        type=positive("--steps"),
         help="measured steps per variant (default: about one second of steps, 10 to 50 / 2)",
     )
     c.add_argument(
         "--warmup",
-        type=_int_in("--warmup", 0),
+        type=int_in("--warmup", 0),
         help="warm-up steps per variant, >= 0 (default: 2 / 1)",
     )
     c.add_argument(
@@ -176,7 +125,7 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     )
     c.add_argument(
         "--min-tensor-size",
-        type=_int_in("--min-tensor-size", 0),
+        type=int_in("--min-tensor-size", 0),
         help="smallest tensor to offload, in elements, >= 0 (default: 262144 / 8192 for the "
         "built-in kinds, 1024 for other models)",
     )
@@ -187,13 +136,13 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     )
     c.add_argument(
         "--sim-tflops",
-        type=_positive_float("--sim-tflops"),
+        type=positive_float("--sim-tflops"),
         default=400.0,
         help="simulated mode: assumed device TFLOP/s, > 0 (default: 400)",
     )
     c.add_argument(
         "--sim-link-gbps",
-        type=_positive_float("--sim-link-gbps"),
+        type=positive_float("--sim-link-gbps"),
         default=50.0,
         help="simulated mode: assumed copy bandwidth each way, GB/s, > 0 (default: 50)",
     )
@@ -211,13 +160,13 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     c.add_argument(
         "--json",
         metavar="PATH",
-        type=_output_path("--json"),
+        type=output_path("--json"),
         help="write the full report as JSON (its folder must exist)",
     )
     c.add_argument(
         "--plot",
         metavar="PATH.png",
-        type=_output_path("--plot"),
+        type=output_path("--plot"),
         help="draw the timeline of one step and memory (needs matplotlib; its folder must exist)",
     )
     c.add_argument(
@@ -227,26 +176,8 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         "--save for the same model and number of layers)",
     )
     c.add_argument("--quiet", action="store_true", help="no progress lines")
-    from .plan.cli import add_plan_parser
-
-    add_plan_parser(sub)
-    return parser, c
-
-
-def add_model_option(parser: argparse.ArgumentParser, note: str = "") -> None:
-    """Add ``--model`` (a built-in kind, ``package.module:factory`` or ``hf:PATH``)."""
-    from .models import MODEL_KINDS
-
-    parser.add_argument(
-        "--model",
-        default="gpt",
-        metavar="MODEL",
-        help=f"a built-in layer kind ({', '.join(MODEL_KINDS)}); package.module:factory, "
-        "a function returning (model, make_batch[, loss_fn]), called with those of device, "
-        "dtype, seq and batch it accepts; or hf:PATH/config.json, a transformers causal "
-        "LM built from a config with random weights (pip install 'cpu-offload[hf]'). "
-        f"{note + ' ' if note else ''}(default: gpt)",
-    )
+    c.set_defaults(run=run, command_parser=c)
+    return c
 
 
 def _check_plot(parser: argparse.ArgumentParser, wanted: bool) -> None:
@@ -261,26 +192,21 @@ def _check_plot(parser: argparse.ArgumentParser, wanted: bool) -> None:
         )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``cpu-offload`` and ``python -m cpu_offload``.
+def run(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: Sequence[str]) -> int:
+    """Run ``cpu-offload compare`` with parsed ``args``.
 
     Args:
-        argv: The arguments (``sys.argv[1:]`` when None).
+        parser: The ``cpu-offload`` parser (it reports unknown options).
+        args: What it parsed.
+        extra: The arguments it left: Megatron Bridge overrides after the options.
 
     Returns:
-        The exit status (0). Bad arguments exit with status 2 and a message naming them.
+        0; bad input exits with status 2 and a message naming the option.
     """
-    parser, compare_parser = _parser()
+    compare_parser: argparse.ArgumentParser = args.command_parser
     # Overrides may come anywhere among the options: argparse takes the first run of
     # them as the positional, the later ones come back unparsed (and are checked by
     # parse_override like the others).
-    args, extra = parser.parse_known_args(argv)
-    if args.command == "plan":
-        from .plan.cli import run_plan
-
-        if extra:
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        return run_plan(args)
     unknown = [e for e in extra if e.startswith("-")]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
@@ -294,10 +220,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     import torch
 
-    from .compare.overrides import select_from_overrides
-    from .compare.report import format_table, write_json, write_plot
-    from .compare.runner import CompareConfig, run_compare
-    from .models import MODEL_KINDS, ModelSpec
+    from ..compare.overrides import select_from_overrides
+    from ..compare.report import format_table, write_json, write_plot
+    from ..compare.runner import CompareConfig, run_compare
+    from ..models import MODEL_KINDS, ModelSpec
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
@@ -307,7 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         compare_parser.error(
             "--optimizer-only: the optimizer section runs on the built-in kinds only"
         )
-    dtype = getattr(torch, _DTYPES[args.dtype or ("bf16" if gpu else "fp32")])
+    dtype = getattr(torch, DTYPES[args.dtype or ("bf16" if gpu else "fp32")])
     seq = args.seq or (2048 if gpu else 128)
     batch = args.batch or (2 if gpu else 4)
     workload = model_workload(compare_parser, args, device, dtype)
@@ -381,50 +307,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def model_workload(
-    parser: argparse.ArgumentParser, args: argparse.Namespace, device: str, dtype: torch.dtype
-) -> Workload | None:
-    """The workload ``--model`` names, or None for a built-in layer kind.
-
-    ``--model package.module:factory`` calls the factory (with those of device, dtype,
-    ``--seq`` and ``--batch`` it accepts); ``--model hf:PATH/config.json`` builds a
-    ``transformers`` model (``--seq``, ``--batch`` and ``--layers`` apply). Bad input
-    exits with status 2 and a message naming the option.
-    """
-    from .compare.workload import factory_workload, hf_workload
-    from .models import MODEL_KINDS
-
-    if args.model in MODEL_KINDS:
-        return None
-    if ":" not in args.model:
-        parser.error(
-            f"--model {args.model!r}: choose a built-in kind ({', '.join(MODEL_KINDS)}), "
-            "package.module:factory or hf:PATH/config.json"
-        )
-    given = [o for o in ("hidden", "heads") if getattr(args, o) is not None]
-    if given:
-        parser.error(f"--{given[0]} applies to the built-in kinds only; {args.model} sets its own")
-    hf = args.model.startswith("hf:")
-    if args.layers is not None and not hf:
-        parser.error("--layers applies to the built-in kinds and hf: models only")
-    try:
-        if hf:
-            path = args.model[3:]
-            if not Path(path).exists():
-                parser.error(f"--model {args.model!r}: {path!r} does not exist")
-            gpu = device == "cuda"
-            seq = args.seq or (2048 if gpu else 128)
-            batch = args.batch or (2 if gpu else 4)
-            return hf_workload(path, device, dtype, seq, batch, args.layers)
-        return factory_workload(args.model, device, dtype, args.seq, args.batch)
-    except ValueError as err:
-        parser.error(str(err))
-
-
 def _load_plan(parser, args, selection):  # type: ignore[no-untyped-def]
     """The plan of ``--plan``, checked against the model's layers (exit 2 otherwise)."""
-    from .plan.apply import check_plan_layers
-    from .plan.io import PlanFileError, load_plan
+    from ..plan.apply import check_plan_layers
+    from ..plan.io import PlanFileError, load_plan
 
     if not selection.activation:
         parser.error("--plan: the plan runs in the activation section; drop --optimizer-only")

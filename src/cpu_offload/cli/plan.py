@@ -11,11 +11,13 @@ import argparse
 import json
 import re
 import sys
+from collections.abc import Sequence
 from typing import Any
 
-from ..cli import _DTYPES, _positive, add_model_option
+from ._model import model_workload
+from ._options import DTYPES, add_model_option, positive
 
-__all__ = ["add_plan_parser", "parse_budget", "run_plan"]
+__all__ = ["add_parser", "parse_budget", "run"]
 
 _UNITS = {
     "B": 1,
@@ -74,7 +76,7 @@ def _budget_type(text: str) -> int | float:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``plan`` subcommand to the ``cpu-offload`` parser's subparsers."""
 
     p = subparsers.add_parser(
@@ -98,18 +100,18 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
         "peak without offloading)",
     )
     add_model_option(p)
-    p.add_argument("--hidden", type=_positive("--hidden"), help="model width, built-in kinds")
-    p.add_argument("--heads", type=_positive("--heads"), help="attention heads, built-in kinds")
-    p.add_argument("--seq", type=_positive("--seq"), help="sequence length")
-    p.add_argument("--batch", type=_positive("--batch"), help="batch size")
+    p.add_argument("--hidden", type=positive("--hidden"), help="model width, built-in kinds")
+    p.add_argument("--heads", type=positive("--heads"), help="attention heads, built-in kinds")
+    p.add_argument("--seq", type=positive("--seq"), help="sequence length")
+    p.add_argument("--batch", type=positive("--batch"), help="batch size")
     p.add_argument(
         "--layers",
-        type=_positive("--layers"),
+        type=positive("--layers"),
         help="number of layers, built-in kinds (default 8) and hf: models (the config's)",
     )
-    p.add_argument("--dtype", choices=sorted(_DTYPES), help="bf16 on a GPU, fp32 on the CPU")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="bf16 on a GPU, fp32 on the CPU")
     p.add_argument("--device", choices=("cuda", "cpu"), help="cuda when available")
-    p.add_argument("--steps", type=_positive("--steps"), help="timed steps (default 3)")
+    p.add_argument("--steps", type=positive("--steps"), help="timed steps (default 3)")
     p.add_argument(
         "--min-tensor-size",
         type=int,
@@ -120,7 +122,7 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     p.add_argument("--no-measure", action="store_true", help="print the model's figures only")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
-    p.set_defaults(plan_parser=p)
+    p.set_defaults(run=run, command_parser=p)
     return p
 
 
@@ -132,37 +134,43 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
-def run_plan(args: argparse.Namespace) -> int:
+def run(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: Sequence[str]) -> int:
     """Run ``cpu-offload plan`` with parsed ``args``.
+
+    Args:
+        parser: The ``cpu-offload`` parser (it reports unknown arguments).
+        args: What it parsed.
+        extra: The arguments it left (an error: ``plan`` takes no overrides).
 
     Returns:
         0; bad input (a budget no plan fits, an unreadable plan file) exits with status 2
         and a message.
     """
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     import torch
 
-    from ..cli import model_workload
     from ..compare.workload import spec_workload
     from ..models import ModelSpec
-    from .io import PlanFileError, load_plan, save_plan
-    from .model import Choice, estimate
-    from .profile import measure_choices, profile_model
-    from .search import NoPlanFits, best_single_methods, search, single_methods
+    from ..plan.io import PlanFileError, load_plan, save_plan
+    from ..plan.model import Choice, estimate
+    from ..plan.profile import measure_choices, profile_model
+    from ..plan.search import NoPlanFits, best_single_methods, search, single_methods
 
-    parser: argparse.ArgumentParser = args.plan_parser
+    plan_parser: argparse.ArgumentParser = args.command_parser
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: CUDA is not available here")
+        plan_parser.error("--device cuda: CUDA is not available here")
     gpu = device == "cuda"
-    dtype = getattr(torch, _DTYPES[args.dtype or ("bf16" if gpu else "fp32")])
+    dtype = getattr(torch, DTYPES[args.dtype or ("bf16" if gpu else "fp32")])
     min_numel = args.min_tensor_size
     if min_numel is None:
         min_numel = 256 * 1024 if gpu else 8 * 1024
     if min_numel < 0:
-        parser.error("--min-tensor-size must be >= 0")
+        plan_parser.error("--min-tensor-size must be >= 0")
     steps = args.steps or 3
     # The same --model as compare: a built-in kind, package.module:factory or hf:config.
-    workload = model_workload(parser, args, device, dtype)
+    workload = model_workload(plan_parser, args, device, dtype)
     if workload is None:
         spec = ModelSpec(
             kind=args.model,
@@ -174,7 +182,7 @@ def run_plan(args: argparse.Namespace) -> int:
             dtype=dtype,
         )
         if spec.hidden % spec.heads:
-            parser.error(f"--heads ({spec.heads}) must divide --hidden ({spec.hidden})")
+            plan_parser.error(f"--heads ({spec.heads}) must divide --hidden ({spec.hidden})")
         workload = spec_workload(spec, device)
     model, num_layers = workload.model, len(workload.layers)
 
@@ -189,11 +197,11 @@ def run_plan(args: argparse.Namespace) -> int:
         try:
             profile = load_plan(args.load).profile
         except (OSError, PlanFileError) as err:
-            parser.error(f"--load: {err}")
+            plan_parser.error(f"--load: {err}")
         if profile is None:
-            parser.error(f"--load {args.load}: the file holds no profile to plan from")
+            plan_parser.error(f"--load {args.load}: the file holds no profile to plan from")
         if profile.num_layers != num_layers:
-            parser.error(
+            plan_parser.error(
                 f"--load {args.load}: its profile has {profile.num_layers} layers, the "
                 f"model {num_layers}"
             )
@@ -209,7 +217,7 @@ def run_plan(args: argparse.Namespace) -> int:
     try:
         plan = search(profile, budget)
     except NoPlanFits as err:
-        parser.error(f"--budget: {err}")
+        plan_parser.error(f"--budget: {err}")
     single = best_single_methods(profile, plan.peak_bytes)
     rows: list[dict[str, Any]] = [
         {"name": "no offloading", "choices": (Choice.KEEP,) * n, "modelled": keep},
