@@ -14,7 +14,8 @@ from pathlib import Path
 __all__ = [
     "DTYPES",
     "MAX_LAYERS",
-    "add_model_option",
+    "add_model_options",
+    "by_device",
     "int_in",
     "output_path",
     "positive",
@@ -79,8 +80,22 @@ def output_path(name: str) -> Callable[[str], str]:
     return parse
 
 
-def add_model_option(parser: argparse.ArgumentParser, note: str = "") -> None:
-    """Add ``--model`` (a built-in kind, ``package.module:factory`` or ``hf:PATH``)."""
+def by_device(field: str) -> str:
+    """A default that differs by device, as the help shows it: ``"GPU / CPU"``."""
+    from ..compare.defaults import CPU_DEFAULTS, GPU_DEFAULTS
+
+    return f"{getattr(GPU_DEFAULTS, field)} / {getattr(CPU_DEFAULTS, field)}"
+
+
+def add_model_options(parser: argparse.ArgumentParser, note: str = "") -> None:
+    """Add the model options every command shares, with the same types and defaults.
+
+    ``--model``, ``--hidden``, ``--heads``, ``--seq``, ``--batch``, ``--layers``,
+    ``--dtype``, ``--device`` and ``--min-tensor-size``; each left unset is None, and
+    :func:`cpu_offload.cli._model.resolve_model` fills in the device's default from
+    :mod:`cpu_offload.compare.defaults`. ``note`` ends the help of ``--model``.
+    """
+    from ..compare.defaults import CPU_DEFAULTS, GPU_DEFAULTS
     from ..models import MODEL_KINDS
 
     parser.add_argument(
@@ -92,4 +107,42 @@ def add_model_option(parser: argparse.ArgumentParser, note: str = "") -> None:
         "dtype, seq and batch it accepts; or hf:PATH/config.json, a transformers causal "
         "LM built from a config with random weights (pip install 'cpu-offload[hf]'). "
         f"{note + ' ' if note else ''}(default: gpt)",
+    )
+    parser.add_argument(
+        "--hidden",
+        type=positive("--hidden"),
+        help=f"model width, built-in kinds (default: {by_device('hidden')})",
+    )
+    parser.add_argument(
+        "--heads",
+        type=positive("--heads"),
+        help=f"attention heads, built-in kinds (default: {by_device('heads')})",
+    )
+    parser.add_argument(
+        "--seq", type=positive("--seq"), help=f"sequence length (default: {by_device('seq')})"
+    )
+    parser.add_argument(
+        "--batch", type=positive("--batch"), help=f"batch size (default: {by_device('batch')})"
+    )
+    parser.add_argument(
+        "--layers",
+        type=int_in("--layers", 1, MAX_LAYERS),
+        help=f"number of layers n, at most {MAX_LAYERS}; for hf: it overrides "
+        f"num_hidden_layers (default: {by_device('layers')}; hf: the config's)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        help=f"parameters' dtype (default: {by_device('dtype')})",
+    )
+    parser.add_argument(
+        "--device", choices=("cuda", "cpu"), help="(default: cuda when available, else cpu)"
+    )
+    parser.add_argument(
+        "--min-tensor-size",
+        type=int_in("--min-tensor-size", 0),
+        help="smallest tensor to offload, in elements, >= 0 (default: "
+        f"{GPU_DEFAULTS.builtin_min_tensor_size} / {CPU_DEFAULTS.builtin_min_tensor_size} for "
+        f"the built-in kinds, {GPU_DEFAULTS.user_min_tensor_size} / "
+        f"{CPU_DEFAULTS.user_min_tensor_size} for other models)",
     )

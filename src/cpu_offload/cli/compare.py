@@ -10,16 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ._model import model_workload
-from ._options import (
-    DTYPES,
-    MAX_LAYERS,
-    add_model_option,
-    int_in,
-    output_path,
-    positive,
-    positive_float,
-)
+from ._model import builtin_spec, resolve_model
+from ._options import add_model_options, by_device, int_in, output_path, positive, positive_float
 
 __all__ = ["add_parser", "run"]
 
@@ -75,33 +67,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="section.key=value",
         help="Megatron Bridge overrides (see below)",
     )
-    add_model_option(c, "The optimizer section runs on the built-in kinds only.")
-    c.add_argument(
-        "--hidden",
-        type=positive("--hidden"),
-        help="model width, built-in kinds (default: 2048 / 128)",
-    )
-    c.add_argument(
-        "--heads",
-        type=positive("--heads"),
-        help="attention heads, built-in kinds (default: 16 / 4)",
-    )
-    c.add_argument("--seq", type=positive("--seq"), help="sequence length (default: 2048 / 128)")
-    c.add_argument("--batch", type=positive("--batch"), help="batch size (default: 2 / 4)")
-    c.add_argument(
-        "--layers",
-        type=int_in("--layers", 1, MAX_LAYERS),
-        help=f"number of layers n, at most {MAX_LAYERS}; for hf: it overrides "
-        "num_hidden_layers (default: 8 / 6; hf: the config's)",
-    )
+    add_model_options(c, "The optimizer section runs on the built-in kinds only.")
     c.add_argument(
         "--offloaded",
         type=int,
         help="layers to offload or checkpoint, k in [0, n-1]; or "
         "model.cpu_offloading_num_layers=k (default: 2, 1 with fewer than 4 layers)",
-    )
-    c.add_argument(
-        "--dtype", choices=sorted(DTYPES), help="parameters' dtype (default: bf16 / fp32)"
     )
     c.add_argument(
         "--steps",
@@ -111,7 +82,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     c.add_argument(
         "--warmup",
         type=int_in("--warmup", 0),
-        help="warm-up steps per variant, >= 0 (default: 2 / 1)",
+        help=f"warm-up steps per variant, >= 0 (default: {by_device('warmup')})",
     )
     c.add_argument(
         "--variants",
@@ -119,15 +90,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=",".join(DEFAULT_VARIANTS),
         help=f"comma-separated, from: {', '.join(VARIANTS)}; none always runs "
         f"(default: {','.join(DEFAULT_VARIANTS)})",
-    )
-    c.add_argument(
-        "--device", choices=("cuda", "cpu"), help="(default: cuda when available, else cpu)"
-    )
-    c.add_argument(
-        "--min-tensor-size",
-        type=int_in("--min-tensor-size", 0),
-        help="smallest tensor to offload, in elements, >= 0 (default: 262144 / 8192 for the "
-        "built-in kinds, 1024 for other models)",
     )
     c.add_argument(
         "--no-deterministic",
@@ -223,52 +185,32 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: Sequen
     from ..compare.overrides import select_from_overrides
     from ..compare.report import format_table, write_json, write_plot
     from ..compare.runner import CompareConfig, run_compare
-    from ..models import MODEL_KINDS, ModelSpec
+    from ..models import MODEL_KINDS
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        compare_parser.error("--device cuda: CUDA is not available here")
-    gpu = device == "cuda"
     if args.optimizer_only and args.model not in MODEL_KINDS:
         compare_parser.error(
             "--optimizer-only: the optimizer section runs on the built-in kinds only"
         )
-    dtype = getattr(torch, DTYPES[args.dtype or ("bf16" if gpu else "fp32")])
-    seq = args.seq or (2048 if gpu else 128)
-    batch = args.batch or (2 if gpu else 4)
-    workload = model_workload(compare_parser, args, device, dtype)
-    builtin = workload is None
+    model = resolve_model(compare_parser, args)
+    gpu, workload = model.gpu, model.workload
     try:
         selection = select_from_overrides(
             overrides,
             layers=args.layers if workload is None else len(workload.layers),
             offloaded=args.offloaded,
-            default_layers=8 if gpu else 6,
+            default_layers=model.defaults.layers,
             activation=not args.optimizer_only,
             optimizer=not args.no_optimizer and workload is None,
         )
     except ValueError as err:
         compare_parser.error(str(err))
     spec = None
-    if builtin:
-        spec = ModelSpec(
-            kind=args.model,
-            hidden=args.hidden or (2048 if gpu else 128),
-            heads=args.heads or (16 if gpu else 4),
-            seq=seq,
-            batch=batch,
-            layers=selection.layers,
-            dtype=dtype,
-        )
-        if spec.hidden % spec.heads:
-            compare_parser.error(f"--heads ({spec.heads}) must divide --hidden ({spec.hidden})")
-    min_numel = args.min_tensor_size
-    if min_numel is None:
-        min_numel = 256 * 1024 if gpu else (8 * 1024 if builtin else 1024)
+    if workload is None:
+        spec = builtin_spec(compare_parser, args, model, selection.layers)
     plan = None
     if args.plan:
         plan = _load_plan(compare_parser, args, selection)
-    warmup = args.warmup if args.warmup is not None else (2 if gpu else 1)
+    warmup = args.warmup if args.warmup is not None else model.defaults.warmup
     if not args.no_deterministic:
         torch.use_deterministic_algorithms(True)
     config = CompareConfig(
@@ -277,8 +219,8 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: Sequen
         variants=args.variants,
         steps=args.steps if args.steps else (None if gpu else 2),
         warmup=warmup,
-        min_numel=min_numel,
-        device=device,
+        min_numel=model.min_numel,
+        device=model.device,
         deterministic=not args.no_deterministic,
         sim_tflops=args.sim_tflops,
         sim_link_gbps=args.sim_link_gbps,

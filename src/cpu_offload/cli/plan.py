@@ -14,8 +14,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ._model import model_workload
-from ._options import DTYPES, add_model_option, positive
+from ._model import builtin_spec, resolve_model
+from ._options import add_model_options, output_path, positive
 
 __all__ = ["add_parser", "parse_budget", "run"]
 
@@ -99,27 +99,21 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="peak device memory allowed: 12GiB, 800MiB, 1.5GB, or 0.6 (a fraction of the "
         "peak without offloading)",
     )
-    add_model_option(p)
-    p.add_argument("--hidden", type=positive("--hidden"), help="model width, built-in kinds")
-    p.add_argument("--heads", type=positive("--heads"), help="attention heads, built-in kinds")
-    p.add_argument("--seq", type=positive("--seq"), help="sequence length")
-    p.add_argument("--batch", type=positive("--batch"), help="batch size")
-    p.add_argument(
-        "--layers",
-        type=positive("--layers"),
-        help="number of layers, built-in kinds (default 8) and hf: models (the config's)",
-    )
-    p.add_argument("--dtype", choices=sorted(DTYPES), help="bf16 on a GPU, fp32 on the CPU")
-    p.add_argument("--device", choices=("cuda", "cpu"), help="cuda when available")
+    add_model_options(p)
     p.add_argument("--steps", type=positive("--steps"), help="timed steps (default 3)")
-    p.add_argument(
-        "--min-tensor-size",
-        type=int,
-        help="smallest tensor to offload, in elements (262144 on a GPU, 8192 on the CPU)",
-    )
     p.add_argument("--load", metavar="PLAN.json", help="take the profile from a saved plan")
-    p.add_argument("--save", metavar="PLAN.json", help="save the plan (with its profile)")
-    p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    p.add_argument(
+        "--save",
+        metavar="PLAN.json",
+        type=output_path("--save"),
+        help="save the plan (with its profile; its folder must exist)",
+    )
+    p.add_argument(
+        "--json",
+        metavar="PATH",
+        type=output_path("--json"),
+        help="write the figures as JSON (its folder must exist)",
+    )
     p.add_argument("--no-measure", action="store_true", help="print the model's figures only")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(run=run, command_parser=p)
@@ -151,38 +145,19 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: Sequen
     import torch
 
     from ..compare.workload import spec_workload
-    from ..models import ModelSpec
     from ..plan.io import PlanFileError, load_plan, save_plan
     from ..plan.model import Choice, estimate
     from ..plan.profile import measure_choices, profile_model
     from ..plan.search import NoPlanFits, best_single_methods, search, single_methods
 
     plan_parser: argparse.ArgumentParser = args.command_parser
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        plan_parser.error("--device cuda: CUDA is not available here")
-    gpu = device == "cuda"
-    dtype = getattr(torch, DTYPES[args.dtype or ("bf16" if gpu else "fp32")])
-    min_numel = args.min_tensor_size
-    if min_numel is None:
-        min_numel = 256 * 1024 if gpu else 8 * 1024
-    if min_numel < 0:
-        plan_parser.error("--min-tensor-size must be >= 0")
     steps = args.steps or 3
-    # The same --model as compare: a built-in kind, package.module:factory or hf:config.
-    workload = model_workload(plan_parser, args, device, dtype)
+    # The same model options, defaults and checks as compare.
+    choice = resolve_model(plan_parser, args)
+    device, min_numel, gpu = choice.device, choice.min_numel, choice.gpu
+    workload = choice.workload
     if workload is None:
-        spec = ModelSpec(
-            kind=args.model,
-            hidden=args.hidden or (2048 if gpu else 128),
-            heads=args.heads or (16 if gpu else 4),
-            seq=args.seq or (2048 if gpu else 128),
-            batch=args.batch or (2 if gpu else 4),
-            layers=args.layers or 8,
-            dtype=dtype,
-        )
-        if spec.hidden % spec.heads:
-            plan_parser.error(f"--heads ({spec.heads}) must divide --hidden ({spec.hidden})")
+        spec = builtin_spec(plan_parser, args, choice, args.layers or choice.defaults.layers)
         workload = spec_workload(spec, device)
     model, num_layers = workload.model, len(workload.layers)
 

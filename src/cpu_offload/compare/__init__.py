@@ -2,6 +2,7 @@
 optimizer-state offloading fractions beside them. :func:`compare_model` is the Python
 form."""
 
+from .defaults import ModelDefaults, defaults_for
 from .model import DEFAULT_VARIANTS, compare_model, default_offloaded
 from .optimizer import (
     DEFAULT_FRACTIONS,
@@ -27,6 +28,7 @@ __all__ = [
     "CompareReport",
     "CompareSelection",
     "LayerProfile",
+    "ModelDefaults",
     "OptimizerCompareConfig",
     "OptimizerReport",
     "OptimizerResult",
@@ -37,6 +39,7 @@ __all__ = [
     "compare_model",
     "default_offloaded",
     "default_optimizer_variants",
+    "defaults_for",
     "format_table",
     "measure_link",
     "run_compare",

@@ -23,6 +23,7 @@ import torch
 from .._compat import TORCH_VERSION_STRING
 from ..engine.transport import CudaTransport, HostTransport, Transport
 from ..models import ModelSpec
+from ..v2.context import DEFAULT_MIN_TENSOR_SIZE
 from ._profile import capture_inputs, forward_cost, saved_per_layer
 from ._rows import row_by_name
 from ._step import Installed, Step, one_step
@@ -58,7 +59,7 @@ class CompareConfig:
     variants: Sequence[str]
     steps: int | None = 5
     warmup: int = 2
-    min_numel: int = 256 * 1024
+    min_numel: int = DEFAULT_MIN_TENSOR_SIZE
     device: str = "cuda"
     deterministic: bool = True
     sim_tflops: float = 400.0  # assumed device throughput for the simulated mode
