@@ -112,6 +112,12 @@ def _activation_lines(report: CompareReport) -> list[str]:
         f"noise floor (two runs without offloading): loss {_fmt(report.noise_floor_loss, '.3g')}, "
         f"gradients {_fmt(report.noise_floor_grad, '.3g')}"
     )
+    if report.same_random_state:
+        generators = "CPU generator" if report.simulated else "CPU and CUDA generators"
+        out.append(
+            f"random state: every step of every variant starts from the same one ({generators}),"
+            " so dropout draws the same masks in each"
+        )
     out += ["", *lines, ""]
     if report.floor_ms:
         floors = ", ".join(f"{name} {ms:.2f} ms" for name, ms in report.floor_ms.items())
