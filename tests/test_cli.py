@@ -4,9 +4,13 @@
 from __future__ import annotations
 
 import ast
+import os
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers import cli_usage_error
 
 import cpu_offload.cli
 from cpu_offload.cli import main
@@ -64,3 +68,78 @@ def test_the_help_of_both_commands_shows_the_same_defaults(
         assert all(f"(default: {shown}" in h for h in helps), field
     sizes = f"{GPU_DEFAULTS.builtin_min_tensor_size} / {CPU_DEFAULTS.builtin_min_tensor_size}"
     assert all(sizes in h for h in helps)
+
+
+FACTORY = """
+import torch
+from torch import nn
+
+
+def factory(seq=8, batch=2):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.GELU()) for _ in range(3)])
+    return model, lambda: torch.randn(batch, seq, 32, generator=torch.Generator().manual_seed(0))
+"""
+
+
+@pytest.fixture
+def console_script_path(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """``sys.path`` as the ``cpu-offload`` console script has it: no current folder."""
+    path = [p for p in sys.path if p not in ("", os.getcwd())]
+    monkeypatch.setattr(sys, "path", path)
+    return path
+
+
+@pytest.fixture
+def package_in(tmp_path: Path) -> Iterator[str]:
+    """A package ``cwd_pkg_i23`` in ``tmp_path`` (forgotten afterwards)."""
+    (tmp_path / "cwd_pkg_i23").mkdir()
+    (tmp_path / "cwd_pkg_i23" / "__init__.py").write_text("")
+    (tmp_path / "cwd_pkg_i23" / "models.py").write_text(FACTORY)
+    yield "cwd_pkg_i23.models:factory"
+    for name in [m for m in sys.modules if m.startswith("cwd_pkg_i23")]:
+        del sys.modules[name]
+
+
+@pytest.mark.parametrize("command", [["compare", "--variants", "v2"], ["plan", "--budget", "0.7"]])
+def test_model_factory_is_imported_from_the_current_folder(
+    command: list[str],
+    package_in: str,
+    console_script_path: list[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    before = list(sys.path)
+    argv = [*command, "--model", package_in, "--quiet", "--steps", "1"]
+    assert main([*argv, "--min-tensor-size", "64"]) == 0
+    assert sys.path == before  # the current folder was on it for the import only
+    out = capsys.readouterr().out
+    assert "bit-identical to no offloading: none, v2" in out or "| plan " in out
+
+
+def test_model_factory_not_found_says_where_it_looked_and_how_to_fix_it(
+    package_in: str,
+    console_script_path: list[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    err = cli_usage_error(["compare", "--model", package_in, "--quiet"], capsys)
+    assert "cannot import 'cwd_pkg_i23.models': No module named 'cwd_pkg_i23'" in err
+    assert f"looked in the current folder ({elsewhere})" in err
+    assert "Run from the folder that holds 'cwd_pkg_i23'" in err and "PYTHONPATH=" in err
+
+
+def test_model_factory_whose_own_import_fails_names_what_it_lacks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "needs_missing_i23.py").write_text("import no_such_dependency_i23\n")
+    monkeypatch.chdir(tmp_path)
+    err = cli_usage_error(["compare", "--model", "needs_missing_i23:make", "--quiet"], capsys)
+    assert "cannot import 'needs_missing_i23': importing it raised ModuleNotFoundError" in err
+    assert "no_such_dependency_i23" in err and "PYTHONPATH" not in err
