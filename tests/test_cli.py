@@ -143,3 +143,47 @@ def test_model_factory_whose_own_import_fails_names_what_it_lacks(
     err = cli_usage_error(["compare", "--model", "needs_missing_i23:make", "--quiet"], capsys)
     assert "cannot import 'needs_missing_i23': importing it raised ModuleNotFoundError" in err
     assert "no_such_dependency_i23" in err and "PYTHONPATH" not in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["plan", "--budget", "0.5", "--save", "/nonexistent/dir/plan.json"], "does not exist"),
+        (["plan", "--budget", "0.5", "--json", "/nonexistent/dir/f.json"], "does not exist"),
+        (["plan", "--budget", "0.5", "--json", "{tmp}"], "is a folder"),
+        (["plan", "--budget", "0.5", "--save", "{tmp}"], "is a folder"),
+        (["compare", "--json", "{tmp}"], "is a folder"),
+        (["compare", "--plot", "{tmp}"], "is a folder"),
+    ],
+)
+def test_outputs_that_cannot_be_written_fail_before_the_run(
+    argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    err = cli_usage_error([a.format(tmp=tmp_path) for a in argv], capsys)
+    option = next(a for a in argv if a in ("--save", "--json", "--plot"))
+    assert f"error: argument {option}: {option} " in err and message in err
+    assert "profiling" not in err and "reference run" not in err  # nothing ran
+    assert len(err.strip().splitlines()[-1]) < 200 and "Traceback" not in err
+
+
+def test_plot_format_matplotlib_cannot_write_fails_before_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    err = cli_usage_error(["compare", "--plot", str(tmp_path / "out.txt")], capsys)
+    assert "--plot" in err and "matplotlib cannot write .txt files; use one of" in err
+    assert ".png" in err and ".pdf" in err and ".svg" in err
+    assert "reference run" not in err
+
+
+def test_plot_without_a_suffix_names_the_file_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    argv = ["compare", "--hidden", "32", "--heads", "4", "--seq", "16", "--layers", "3"]
+    argv += ["--variants", "v2", "--no-optimizer", "--steps", "1", "--warmup", "0"]
+    assert main([*argv, "--min-tensor-size", "64", "--plot", str(tmp_path / "outfile")]) == 0
+    written = tmp_path / "outfile.png"
+    assert written.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"wrote {written}\n" in capsys.readouterr().err
+    assert not (tmp_path / "outfile").exists()

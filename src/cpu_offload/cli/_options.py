@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -67,14 +68,25 @@ def positive_float(name: str) -> Callable[[str], float]:
 
 
 def output_path(name: str) -> Callable[[str], str]:
-    """An argparse type: a file to write, whose folder must exist."""
+    """An argparse type: a file to write, checked before anything runs.
+
+    Its folder must exist and be writable, and the path must not be a folder (nor a
+    file that cannot be written).
+    """
 
     def parse(text: str) -> str:
-        folder = Path(text).expanduser().resolve().parent
+        path = Path(text).expanduser()
+        if path.is_dir():
+            raise argparse.ArgumentTypeError(
+                f"{name} {text!r} is a folder; give the path of a file to write"
+            )
+        folder = path.resolve().parent
         if not folder.is_dir():
             raise argparse.ArgumentTypeError(
                 f"{name} {text!r}: the folder {str(folder)!r} does not exist"
             )
+        if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+            raise argparse.ArgumentTypeError(f"{name} {text!r}: cannot write there")
         return text
 
     return parse

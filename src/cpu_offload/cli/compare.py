@@ -129,7 +129,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--plot",
         metavar="PATH.png",
         type=output_path("--plot"),
-        help="draw the timeline of one step and memory (needs matplotlib; its folder must exist)",
+        help="draw the timeline of one step and memory (needs matplotlib; its folder must "
+        "exist; any format matplotlib writes, .png when the name has no suffix)",
     )
     c.add_argument(
         "--plan",
@@ -142,16 +143,30 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return c
 
 
-def _check_plot(parser: argparse.ArgumentParser, wanted: bool) -> None:
-    """Refuse ``--plot`` without matplotlib before anything runs."""
-    if not wanted:
-        return
+def _plot_path(parser: argparse.ArgumentParser, path: str) -> str:
+    """The file ``--plot`` will write, checked before anything runs.
+
+    matplotlib must be installed and know the format of the suffix; a name without a
+    suffix gets matplotlib's default format's (``outfile`` becomes ``outfile.png``).
+    """
     try:
-        import matplotlib  # noqa: F401
+        import matplotlib
+        from matplotlib.backend_bases import FigureCanvasBase
     except ImportError:
         parser.error(
             "--plot needs matplotlib, which is not installed: pip install 'cpu-offload[plot]'"
         )
+    suffix = Path(path).suffix.lstrip(".").lower()
+    if not suffix:
+        suffix = str(matplotlib.rcParams["savefig.format"])
+        path = f"{path}.{suffix}"
+    formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    if suffix not in formats:
+        parser.error(
+            f"--plot {path!r}: matplotlib cannot write .{suffix} files; use one of "
+            f"{', '.join('.' + f for f in formats)}"
+        )
+    return path
 
 
 def run(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: Sequence[str]) -> int:
@@ -173,7 +188,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: Sequen
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     overrides = [*args.overrides, *extra]
-    _check_plot(compare_parser, bool(args.plot))
+    plot = _plot_path(compare_parser, args.plot) if args.plot else None
     if args.plan and not Path(args.plan).is_file():
         # Before the model is built: a wrong path is reported at once.
         compare_parser.error(f"--plan {args.plan!r}: no such file")
@@ -243,9 +258,9 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: Sequen
     if args.json:
         write_json(report, args.json)
         progress(f"wrote {args.json}")
-    if args.plot:
-        write_plot(report, args.plot)
-        progress(f"wrote {args.plot}")
+    if plot is not None:
+        write_plot(report, plot)
+        progress(f"wrote {plot}")
     return 0
 
 

@@ -213,7 +213,8 @@ def write_plot(
 
     Args:
         report: From :func:`~cpu_offload.compare.run_compare`.
-        path: The PNG file to write.
+        path: The file to write, in the format its suffix names (``.png``, ``.pdf``,
+            ``.svg``, ...: what matplotlib writes).
         variants: Activation variants whose timelines are drawn (the first variant
             with a timeline when none of them ran).
 
