@@ -187,3 +187,43 @@ def test_plot_without_a_suffix_names_the_file_written(
     assert written.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"wrote {written}\n" in capsys.readouterr().err
     assert not (tmp_path / "outfile").exists()
+
+
+@pytest.mark.parametrize(
+    "argv", [["compare", "--hidden", "100000"], ["plan", "--budget", "0.5", "--hidden", "100000"]]
+)
+def test_a_model_larger_than_memory_is_refused_before_allocating(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    err = cli_usage_error([*argv, "--device", "cpu"], capsys)  # about 5,400 GiB
+    assert "the built-in model of --layers 6, --hidden 100000, --seq 128, --batch 4 needs" in err
+    assert "of host memory available: make it smaller" in err and "Traceback" not in err
+    assert "profiling" not in err and "reference run" not in err
+
+
+def test_the_memory_check_compares_with_what_the_host_has(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cpu_offload.compare import _fits
+    from cpu_offload.compare.report import format_bytes
+    from cpu_offload.models import ModelSpec
+
+    spec = ModelSpec("gpt", CPU_DEFAULTS.hidden, CPU_DEFAULTS.heads, CPU_DEFAULTS.seq,
+                     CPU_DEFAULTS.batch, CPU_DEFAULTS.layers)  # fmt: skip
+    need = _fits.memory_need(spec)
+    assert need.parameters == need.gradients == 6 * 12 * 128 * 128 * 4 + 6 * 13 * 128 * 4
+    assert 0 < need.activations < need.total
+    monkeypatch.setattr(_fits, "_host_available", lambda: need.total - 1)
+    err = cli_usage_error(["plan", "--budget", "0.5", "--device", "cpu"], capsys)
+    assert f"needs about {format_bytes(need.total)} (parameters" in err
+    assert f"more than the {format_bytes(need.total - 1)} of host memory" in err
+
+
+def test_plan_layers_has_the_same_upper_bound_as_compare(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from cpu_offload.cli._options import MAX_LAYERS
+
+    for argv in (["plan", "--budget", "0.5"], ["compare"]):
+        err = cli_usage_error([*argv, "--layers", "100000"], capsys)
+        assert f"--layers must be in [1, {MAX_LAYERS}], got 100000" in err

@@ -91,7 +91,30 @@ def builtin_spec(
     )
     if spec.hidden % spec.heads:
         parser.error(f"--heads ({spec.heads}) must divide --hidden ({spec.hidden})")
+    _check_fits(parser, spec, model.device)
     return spec
+
+
+def _check_fits(parser: argparse.ArgumentParser, spec: ModelSpec, device: str) -> None:
+    """Exit with status 2 when the built-in model cannot fit in the memory there is."""
+    from ..compare._fits import available_memory, memory_need
+    from ..compare.report import format_bytes
+
+    free = available_memory(device)
+    if free is None:
+        return
+    need = memory_need(spec)
+    if need.total <= free:
+        return
+    where = "of GPU memory free" if device == "cuda" else "of host memory available"
+    sizes = ", ".join(
+        f"--{name} {getattr(spec, name)}" for name in ("layers", "hidden", "seq", "batch")
+    )
+    parser.error(
+        f"the built-in model of {sizes} needs about {format_bytes(need.total)} (parameters "
+        f"{format_bytes(need.parameters)}, gradients {format_bytes(need.gradients)}, activations "
+        f"{format_bytes(need.activations)}), more than the {format_bytes(free)} {where}: make it smaller"
+    )
 
 
 def model_workload(

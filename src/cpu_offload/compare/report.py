@@ -10,9 +10,28 @@ from typing import Any
 from .optimizer import OptimizerReport
 from .runner import CompareReport, VariantResult
 
-__all__ = ["format_optimizer_table", "format_table", "write_json", "write_plot"]
+__all__ = [
+    "format_bytes",
+    "format_optimizer_table",
+    "format_table",
+    "write_json",
+    "write_plot",
+]
 
 _MIB = 1024 * 1024
+
+
+def format_bytes(nbytes: float) -> str:
+    """``nbytes`` in the largest binary unit that keeps at least 1 of it.
+
+    Example:
+        >>> format_bytes(512), format_bytes(3 * 2**19), format_bytes(5 * 2**40)
+        ('512 B', '1.50 MiB', '5,120.00 GiB')
+    """
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= size:
+            return f"{nbytes / size:,.2f} {unit}"
+    return f"{nbytes:.0f} B"
 
 
 def _fmt(value: float | None, spec: str) -> str:
