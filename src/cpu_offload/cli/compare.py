@@ -34,6 +34,7 @@ def _variant_list(text: str) -> list[str]:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``compare`` subcommand to the ``cpu-offload`` parser's subparsers."""
+    from ..compare._table import DEFAULT_WIDTH
     from ..compare.model import DEFAULT_VARIANTS
     from ..compare.variants import VARIANTS
 
@@ -138,6 +139,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="add a row 'plan' that runs this per-layer plan (saved by cpu-offload plan "
         "--save for the same model and number of layers)",
     )
+    c.add_argument(
+        "--wide",
+        action="store_true",
+        help="each table in one piece, one-line headers, no line wrapped (default: within "
+        f"{DEFAULT_WIDTH} columns)",
+    )
     c.add_argument("--quiet", action="store_true", help="no progress lines")
     c.set_defaults(run=run, command_parser=c)
     return c
@@ -197,8 +204,10 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: Sequen
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     import torch
 
+    from ..compare._table import DEFAULT_WIDTH
     from ..compare.overrides import select_from_overrides
-    from ..compare.report import format_table, write_json, write_plot
+    from ..compare.plot import write_plot
+    from ..compare.report import format_table, write_json
     from ..compare.runner import CompareConfig, run_compare
     from ..models import MODEL_KINDS
 
@@ -254,7 +263,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: Sequen
         report.notes.append(
             "The optimizer section runs on the built-in layer kinds only: skipped for this model."
         )
-    print(format_table(report))
+    print(format_table(report, width=None if args.wide else DEFAULT_WIDTH))
     if args.json:
         write_json(report, args.json)
         progress(f"wrote {args.json}")

@@ -14,7 +14,8 @@ from .optimizer import (
     run_optimizer_compare,
 )
 from .overrides import CompareSelection, select_from_overrides
-from .report import format_table, write_json, write_plot
+from .plot import write_plot
+from .report import format_table, write_json
 from .runner import CompareConfig, CompareReport, VariantResult, measure_link, run_compare
 from .simulate import LayerProfile, SimResult, simulate
 from .variants import VARIANTS
