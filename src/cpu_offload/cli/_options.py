@@ -16,6 +16,7 @@ __all__ = [
     "DTYPES",
     "MAX_LAYERS",
     "add_model_options",
+    "add_output_option",
     "by_device",
     "int_in",
     "output_path",
@@ -90,6 +91,15 @@ def output_path(name: str) -> Callable[[str], str]:
         return text
 
     return parse
+
+
+def add_output_option(
+    parser: argparse.ArgumentParser, option: str, metavar: str, help: str
+) -> None:
+    """Add ``option``, a file to write, checked by :func:`output_path` before the run."""
+    parser.add_argument(
+        option, metavar=metavar, type=output_path(option), help=f"{help} (its folder must exist)"
+    )
 
 
 def by_device(field: str) -> str:

@@ -11,7 +11,14 @@ from pathlib import Path
 from typing import Any
 
 from ._model import builtin_spec, resolve_model
-from ._options import add_model_options, by_device, int_in, output_path, positive, positive_float
+from ._options import (
+    add_model_options,
+    add_output_option,
+    by_device,
+    int_in,
+    positive,
+    positive_float,
+)
 
 __all__ = ["add_parser", "run"]
 
@@ -120,18 +127,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         action="store_true",
         help="run only the optimizer-offloading section",
     )
-    c.add_argument(
-        "--json",
-        metavar="PATH",
-        type=output_path("--json"),
-        help="write the full report as JSON (its folder must exist)",
-    )
-    c.add_argument(
+    add_output_option(c, "--json", "PATH", "write the full report as JSON")
+    add_output_option(
+        c,
         "--plot",
-        metavar="PATH.png",
-        type=output_path("--plot"),
-        help="draw the timeline of one step and memory (needs matplotlib; its folder must "
-        "exist; any format matplotlib writes, .png when the name has no suffix)",
+        "PATH.png",
+        "draw the timeline of one step and memory (needs matplotlib; any format it writes, "
+        ".png when the name has no suffix)",
     )
     c.add_argument(
         "--plan",

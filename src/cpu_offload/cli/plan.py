@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._model import builtin_spec, resolve_model
-from ._options import add_model_options, output_path, positive
+from ._options import add_model_options, add_output_option, positive
 
 __all__ = ["add_parser", "parse_budget", "run"]
 
@@ -102,18 +102,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_model_options(p)
     p.add_argument("--steps", type=positive("--steps"), help="timed steps (default 3)")
     p.add_argument("--load", metavar="PLAN.json", help="take the profile from a saved plan")
-    p.add_argument(
-        "--save",
-        metavar="PLAN.json",
-        type=output_path("--save"),
-        help="save the plan (with its profile; its folder must exist)",
-    )
-    p.add_argument(
-        "--json",
-        metavar="PATH",
-        type=output_path("--json"),
-        help="write the figures as JSON (its folder must exist)",
-    )
+    add_output_option(p, "--save", "PLAN.json", "save the plan (with its profile)")
+    add_output_option(p, "--json", "PATH", "write the figures as JSON")
     p.add_argument("--no-measure", action="store_true", help="print the model's figures only")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(run=run, command_parser=p)
