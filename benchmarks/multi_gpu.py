@@ -48,12 +48,13 @@ from cpu_offload import (  # noqa: E402
 )
 from cpu_offload.models import ModelSpec, build_layers  # noqa: E402
 from cpu_offload.optim import HybridDeviceOptimizer, ShardedHybridDeviceOptimizer  # noqa: E402
+from cpu_offload.v2.context import DEFAULT_MIN_TENSOR_SIZE  # noqa: E402
 
 MIB = 1 << 20
 #: "cuda", or "cpu" for a dry run of the script's logic (gloo, no memory figures).
 DEVICE = "cuda"
 #: Smallest tensor offloaded (elements); 0 in the dry run, whose tensors are tiny.
-MIN_SIZE = 256 * 1024
+MIN_SIZE = DEFAULT_MIN_TENSOR_SIZE
 PARTS = ("ddp", "fsdp2", "pipeline-gpipe", "pipeline-1f1b", "sharded-optim")
 
 

@@ -146,6 +146,7 @@ def test_profile_step_that_skips_layers() -> None:
 
 @pytest.mark.parametrize("letters", ["OKRK", "RRKK", "KKKK"])
 def test_compare_plan_variant_is_bit_identical(letters: str) -> None:
+    from cpu_offload.compare._random import SameRandomState
     from cpu_offload.compare._step import Installed, one_step
     from cpu_offload.compare.variants import make_variant
     from cpu_offload.compare.workload import spec_workload
@@ -156,9 +157,10 @@ def test_compare_plan_variant_is_bit_identical(letters: str) -> None:
     plan = Plan(tuple(by_letter[c] for c in letters), 1, 0.0, 0)
     spec = ModelSpec(kind="encoder", hidden=32, heads=2, seq=16, batch=2, layers=4)
     workload = spec_workload(spec, "cpu")
+    random_state = SameRandomState(cuda=False)
 
     def run(variant):  # type: ignore[no-untyped-def]
-        installed = Installed(variant, workload)
+        installed = Installed(variant, workload, random_state)
         try:
             return one_step(installed, record=False, keep_grads=True)
         finally:

@@ -9,7 +9,7 @@ import pytest
 from helpers import cli_usage_error
 
 from cpu_offload.cli import main
-from cpu_offload.plan.cli import parse_budget
+from cpu_offload.cli.plan import parse_budget
 from cpu_offload.plan.io import load_plan
 
 SMALL = "plan --layers 3 --hidden 32 --heads 2 --seq 16 --batch 2 --steps 1 --quiet"

@@ -19,6 +19,7 @@ from cpu_offload import HostTransport
 from cpu_offload._switch import ENV_VAR, use_v1
 from cpu_offload.v1 import CpuOffloadHookWithOffloadHandler
 from cpu_offload.v2 import OffloadContext
+from cpu_offload.v2.context import DEFAULT_MIN_TENSOR_SIZE
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -262,7 +263,7 @@ def test_v2_only_defaults_pass_under_v1(monkeypatch):
         False,
         None,
         synchronization_dict=None,
-        min_tensor_size_to_offload=256 * 1024,
+        min_tensor_size_to_offload=DEFAULT_MIN_TENSOR_SIZE,
     )
     assert isinstance(ctx, CpuOffloadHookWithOffloadHandler)
 

@@ -2,6 +2,7 @@
 optimizer-state offloading fractions beside them. :func:`compare_model` is the Python
 form."""
 
+from .defaults import ModelDefaults, defaults_for
 from .model import DEFAULT_VARIANTS, compare_model, default_offloaded
 from .optimizer import (
     DEFAULT_FRACTIONS,
@@ -13,7 +14,8 @@ from .optimizer import (
     run_optimizer_compare,
 )
 from .overrides import CompareSelection, select_from_overrides
-from .report import format_table, write_json, write_plot
+from .plot import write_plot
+from .report import format_table, write_json
 from .runner import CompareConfig, CompareReport, VariantResult, measure_link, run_compare
 from .simulate import LayerProfile, SimResult, simulate
 from .variants import VARIANTS
@@ -27,6 +29,7 @@ __all__ = [
     "CompareReport",
     "CompareSelection",
     "LayerProfile",
+    "ModelDefaults",
     "OptimizerCompareConfig",
     "OptimizerReport",
     "OptimizerResult",
@@ -37,6 +40,7 @@ __all__ = [
     "compare_model",
     "default_offloaded",
     "default_optimizer_variants",
+    "defaults_for",
     "format_table",
     "measure_link",
     "run_compare",

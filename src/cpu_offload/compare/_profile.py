@@ -17,7 +17,14 @@ from ..engine.selection import ActivationPolicy
 from ..engine.tensor_group import SavedEntry, TensorGroupProcessor
 from .workload import Workload
 
-__all__ = ["capture_inputs", "forward_cost", "saved_bytes", "saved_per_layer"]
+__all__ = [
+    "capture_inputs",
+    "distinct_bytes",
+    "forward_cost",
+    "saved_bytes",
+    "saved_in_forward",
+    "saved_per_layer",
+]
 
 Call = tuple[tuple[Any, ...], dict[str, Any]]
 
@@ -88,6 +95,21 @@ def _identity(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def distinct_bytes(saved: list[torch.Tensor]) -> int:
+    """Bytes of the storages of ``saved``, each counted once, parameters left out.
+
+    Storages are told apart by identity, not address, so that tensors on the meta
+    device (which have no memory) count as well.
+    """
+    storages: dict[int, int] = {}
+    for t in saved:
+        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+            continue
+        storage = t.untyped_storage()
+        storages[storage._cdata] = storage.nbytes()
+    return sum(storages.values())
+
+
 def saved_bytes(
     saved: list[torch.Tensor],
     policy: ActivationPolicy,
@@ -99,17 +121,22 @@ def saved_bytes(
     once. The offloaded part is what the engine's own tensor grouping moves of the
     tensors ``policy`` selects.
     """
-    storages: dict[int, int] = {}
-    for t in saved:
-        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
-            continue
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    total = sum(storages.values())
+    total = distinct_bytes(saved)
     entries = [SavedEntry(t, None, i) for i, t in enumerate(saved) if policy(t)]
     if not entries:
         return total, 0
     units = (processor or TensorGroupProcessor()).process(entries).units
     return total, min(sum(u.nbytes for u in units), total)
+
+
+def saved_in_forward(
+    layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> list[torch.Tensor]:
+    """Every tensor ``layer`` saves for backward in one forward on ``args`` and ``kwargs``."""
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(_Collect(saved), _identity):
+        layer(*args, **kwargs)
+    return saved
 
 
 def saved_per_layer(
@@ -122,10 +149,7 @@ def saved_per_layer(
         x = _first_tensor(args, kwargs)
         device = x.device if x is not None else next(layer.parameters()).device
         policy = ActivationPolicy(min_numel, _OnDevice(device))
-        saved: list[torch.Tensor] = []
-        with torch.autograd.graph.saved_tensors_hooks(_Collect(saved), _identity):
-            layer(*args, **kwargs)
-        total, offload = saved_bytes(saved, policy, processor)
+        total, offload = saved_bytes(saved_in_forward(layer, args, kwargs), policy, processor)
         inp = x.numel() * x.element_size() if x is not None else 0
         out.append((total, offload, inp))
     return out

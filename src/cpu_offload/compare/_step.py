@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from ._random import SameRandomState
 from .simulate import Span
 from .variants import Variant
 from .workload import Workload
@@ -70,11 +71,16 @@ def _hidden(out: Any) -> torch.Tensor | None:
 
 
 class Installed:
-    """A variant installed on a workload's layers, each layer's forward replaced."""
+    """A variant installed on a workload's layers, each layer's forward replaced.
 
-    def __init__(self, variant: Variant, workload: Workload) -> None:
+    Each of its steps starts from ``random_state`` (the same for every variant of a
+    comparison).
+    """
+
+    def __init__(self, variant: Variant, workload: Workload, random_state: SameRandomState) -> None:
         self.variant = variant
         self.workload = workload
+        self.random_state = random_state
         self.recorder: _Recorder | None = None
         self._saved: list[tuple[torch.nn.Module, bool, Any]] = []
         last = len(workload.layers) - 1
@@ -127,19 +133,20 @@ def one_step(installed: Installed, record: bool, keep_grads: bool = False) -> St
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-    batch = workload.make_batch()  # before the first mark: not part of the step
     rec = _Recorder(cuda, base)
-    installed.recorder = rec if record else None
-    rec.mark("start")
-    try:
-        loss = workload.loss_fn(workload.model, batch)
-    finally:
-        installed.recorder = None
-    if record:
-        rec.mark("loss")
-    del batch
-    loss.backward()
-    rec.mark("end")
+    with installed.random_state.replay():
+        batch = workload.make_batch()  # before the first mark: not part of the step
+        installed.recorder = rec if record else None
+        rec.mark("start")
+        try:
+            loss = workload.loss_fn(workload.model, batch)
+        finally:
+            installed.recorder = None
+        if record:
+            rec.mark("loss")
+        del batch
+        loss.backward()
+        rec.mark("end")
     peak = 0
     if cuda:
         torch.cuda.synchronize()

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from .defaults import defaults_for
 from .overrides import default_offloaded
 from .runner import CompareConfig, CompareReport, run_compare
 from .variants import VARIANTS
@@ -104,15 +105,15 @@ def compare_model(
         raise ValueError(f"num_offloaded must be an int in [0, {n - 1}] for {n} layers, got {k!r}")
     checked_plan = None if plan is None else _plan(plan, n)
     cuda = workload.device.type == "cuda"
+    defaults = defaults_for(workload.device)
+    min_numel = min_tensor_size_to_offload
     config = CompareConfig(
         spec=None,
         num_offloaded=k,
         variants=list(variants),
         steps=steps,
-        warmup=(2 if cuda else 1) if warmup is None else warmup,
-        min_numel=(256 * 1024 if cuda else 1024)
-        if min_tensor_size_to_offload is None
-        else min_tensor_size_to_offload,
+        warmup=defaults.warmup if warmup is None else warmup,
+        min_numel=defaults.min_tensor_size(builtin=False) if min_numel is None else min_numel,
         device="cuda" if cuda else "cpu",
         deterministic=deterministic,
         workload=workload,

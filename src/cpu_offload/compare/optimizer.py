@@ -29,6 +29,7 @@ from ..megatron import OptimizerOffloadConfig, optimizer_class
 from ..models import ModelSpec, build_layers
 from ..optim import HybridDeviceOptimizer, OptimizerMeasurement, measure_optimizer
 from ..optim._split import check_offload_fraction
+from ._random import SameRandomState
 from ._rows import row_by_name
 
 __all__ = [
@@ -330,6 +331,8 @@ class _Trainer:
         self.stand_in_kwargs: dict[str, Any] = (
             {} if device.type == "cuda" else {"is_device_param": _every_param}
         )
+        # Every configuration trains from this state: step i draws the same numbers in each.
+        self.random_state = SameRandomState(device.type == "cuda")
 
     def _loss(self, model: nn.Module) -> torch.Tensor:
         return model(self.batch).float().square().mean()
@@ -348,23 +351,24 @@ class _Trainer:
         param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         snapshots: list[_Snapshot] = []
         cls = self.config.optimizer_cls()
-        measurement = measure_optimizer(
-            model,
-            self._loss,
-            offload_fraction=variant.offload_fraction,
-            overlap_cpu_optimizer_d2h_h2d=variant.overlap,
-            param_update_in_fp32=self.config.param_update_in_fp32,
-            steps=steps,
-            warmup=warmup,
-            cpu_optimizer_cls=cls,
-            gpu_optimizer_cls=cls,
-            hybrid_cls=HybridDeviceOptimizer,
-            **self.stand_in_kwargs,
-            on_finish=lambda opt: snapshots.append(_Snapshot(model, opt)),
-            pin_cpu_grads=self.config.pin_cpu_grads,
-            pin_cpu_params=self.config.pin_cpu_params,
-            **self.config.hyperparameters(),
-        )
+        with self.random_state.replay():
+            measurement = measure_optimizer(
+                model,
+                self._loss,
+                offload_fraction=variant.offload_fraction,
+                overlap_cpu_optimizer_d2h_h2d=variant.overlap,
+                param_update_in_fp32=self.config.param_update_in_fp32,
+                steps=steps,
+                warmup=warmup,
+                cpu_optimizer_cls=cls,
+                gpu_optimizer_cls=cls,
+                hybrid_cls=HybridDeviceOptimizer,
+                **self.stand_in_kwargs,
+                on_finish=lambda opt: snapshots.append(_Snapshot(model, opt)),
+                pin_cpu_grads=self.config.pin_cpu_grads,
+                pin_cpu_params=self.config.pin_cpu_params,
+                **self.config.hyperparameters(),
+            )
         return measurement, snapshots[0], param_bytes
 
 
@@ -447,7 +451,8 @@ def run_optimizer_compare(
 
 def _notes(spec: ModelSpec, stand_in: bool, masters: bool) -> list[str]:
     notes = [
-        "Optimizer rows: each trains the same model from the same weights; differences are "
+        "Optimizer rows: each trains the same model from the same weights and random state; "
+        "differences are "
         "against a first run without offloading after the same steps (the '0 (no offload)' "
         "row is a second such run: the noise floor). GPU memory is the parameters plus the "
         "optimizer state kept on the device (fp32 masters, moments); gradients and "

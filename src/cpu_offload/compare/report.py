@@ -1,44 +1,52 @@
-"""Presenting a comparison: a terminal table, JSON, and a timeline picture."""
+"""Presenting a comparison: text for a terminal (within 100 columns unless asked
+otherwise) and JSON; :mod:`cpu_offload.compare.plot` draws it."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
 
+from ._table import DEFAULT_WIDTH, Column, table, wrap
 from .optimizer import OptimizerReport
 from .runner import CompareReport, VariantResult
 
-__all__ = ["format_optimizer_table", "format_table", "write_json", "write_plot"]
+__all__ = [
+    "format_bytes",
+    "format_optimizer_table",
+    "format_table",
+    "write_json",
+]
 
 _MIB = 1024 * 1024
+
+
+def format_bytes(nbytes: float) -> str:
+    """``nbytes`` in the largest binary unit that keeps at least 1 of it.
+
+    Example:
+        >>> format_bytes(512), format_bytes(3 * 2**19), format_bytes(5 * 2**40)
+        ('512 B', '1.50 MiB', '5,120.00 GiB')
+    """
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= size:
+            return f"{nbytes / size:,.2f} {unit}"
+    return f"{nbytes:.0f} B"
 
 
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def _align(rows: list[list[str]]) -> list[str]:
-    """Rows of cells as aligned lines: the first column left, the others right."""
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = [
-        "  ".join(
-            cell.ljust(w) if i == 0 else cell.rjust(w)
-            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
-        )
-        for row in rows
-    ]
-    lines.insert(1, "-" * len(lines[0]))
-    return lines
-
-
-def format_table(report: CompareReport) -> str:
+def format_table(report: CompareReport, width: int | None = DEFAULT_WIDTH) -> str:
     """The report as aligned text for a terminal: the activation variants, then the
     optimizer section when it ran.
 
     Args:
         report: From :func:`~cpu_offload.compare.run_compare`.
+        width: The most characters a line has: tables wider than that are split into
+            tables of fewer columns and longer lines are wrapped. None: every table in
+            one piece and no line wrapped.
 
     Returns:
         The text, without a trailing newline.
@@ -62,29 +70,31 @@ def format_table(report: CompareReport) -> str:
         f"kernels: {c['deterministic']}",
     ]
     if report.results:
-        out += _activation_lines(report)
+        out += _activation_lines(report, width)
+    out = wrap(out, width)
     if report.optimizer is not None:
-        out += ["", format_optimizer_table(report.optimizer)]
+        out += ["", format_optimizer_table(report.optimizer, width)]
     return "\n".join(out)
 
 
-def _activation_lines(report: CompareReport) -> list[str]:
+_ACTIVATION_COLUMNS = (
+    Column("", "variant"),
+    Column("max", "|dloss|"),
+    Column("max", "|dgrad|"),
+    Column("peak", "MiB"),
+    Column("peak", "x none"),
+    Column("step", "ms"),
+    Column("spread", "ms"),
+    Column("step", "x none"),
+    Column("D2H", "GB/s"),
+    Column("H2D", "GB/s"),
+    Column("stall", "ms"),
+)
+
+
+def _activation_lines(report: CompareReport, width: int | None) -> list[str]:
     none = report.result("none")
-    sim = " (SIMULATED)" if report.simulated else ""
-    head = [
-        "variant",
-        "max|dloss|",
-        "max|dgrad|",
-        f"peak MiB{sim}",
-        "x none",
-        f"step ms{sim}",
-        "spread ms",
-        "x none",
-        "D2H GB/s",
-        "H2D GB/s",
-        "stall ms",
-    ]
-    rows = [head]
+    rows = []
     for r in report.results:
         rows.append(
             [
@@ -101,7 +111,9 @@ def _activation_lines(report: CompareReport) -> list[str]:
                 _fmt(r.stall_ms, ".2f"),
             ]
         )
-    lines = _align(rows)
+    lines = table(_ACTIVATION_COLUMNS, rows, width)
+    if report.simulated:
+        lines.insert(0, "peak MiB, step ms and stall ms are SIMULATED (no GPU): see the note below")
     out: list[str] = []
     if report.link_d2h_gbps is not None:
         out.append(
@@ -112,6 +124,12 @@ def _activation_lines(report: CompareReport) -> list[str]:
         f"noise floor (two runs without offloading): loss {_fmt(report.noise_floor_loss, '.3g')}, "
         f"gradients {_fmt(report.noise_floor_grad, '.3g')}"
     )
+    if report.same_random_state:
+        generators = "CPU generator" if report.simulated else "CPU and CUDA generators"
+        out.append(
+            f"random state: every step of every variant starts from the same one ({generators}),"
+            " so dropout draws the same masks in each"
+        )
     out += ["", *lines, ""]
     if report.floor_ms:
         floors = ", ".join(f"{name} {ms:.2f} ms" for name, ms in report.floor_ms.items())
@@ -122,34 +140,59 @@ def _activation_lines(report: CompareReport) -> list[str]:
     if inexact:
         out.append("DIFFERENT from no offloading: " + ", ".join(inexact))
     out += report.notes
+    out.append(_fastest_line(report))
     return out
 
 
-def format_optimizer_table(report: OptimizerReport) -> str:
+def _fastest_line(report: CompareReport) -> str:
+    """The fastest variant at or under each peak the variants reached.
+
+    Only the peaks where the fastest changes are named: above one of them, up to the
+    next, the same variant stays the fastest (the lower peak wins a tie).
+    """
+    none = report.result("none")
+    frontier: list[VariantResult] = []
+    for r in sorted(report.results, key=lambda r: (r.peak_bytes, r.step_ms)):
+        if not frontier or r.step_ms < frontier[-1].step_ms:
+            frontier.append(r)
+    parts = [
+        f"at <= {format_bytes(r.peak_bytes)}: {r.name}"
+        + (f" ({r.step_ms / none.step_ms:.2f}x none)" if none.step_ms else "")
+        for r in frontier
+    ]
+    kind = "simulated " if report.simulated else ""
+    return f"fastest by {kind}step time and peak: " + "; ".join(parts)
+
+
+_OPTIMIZER_COLUMNS = (
+    Column("", "optimizer offload"),
+    Column("GPU MiB", "params+state"),
+    Column("GPU", "x none"),
+    Column("host MiB", "state"),
+    Column("step", "ms"),
+    Column("step", "x none"),
+    Column("max", "|dparam|"),
+    Column("max", "|dmaster|"),
+    Column("max", "|dloss|"),
+    Column("peak", "MiB"),
+)
+
+
+def format_optimizer_table(report: OptimizerReport, width: int | None = DEFAULT_WIDTH) -> str:
     """The optimizer section as aligned text for a terminal.
 
     Args:
         report: The ``optimizer`` section of a :class:`CompareReport`.
+        width: As for :func:`format_table`.
 
     Returns:
         The text, without a trailing newline.
     """
     where = "accounted, CPU stand-in" if report.stand_in else "measured"
     timing = "CPU, not a GPU" if report.stand_in else "median"
-    head = [
-        "optimizer offload",
-        f"GPU MiB params+state ({where})",
-        "x none",
-        "host state MiB",
-        f"step ms ({timing})",
-        "x none",
-        "max|dparam|",
-        "max|dmaster|",
-        "max|dloss|",
-    ]
-    if not report.stand_in:
-        head.append("peak MiB")
-    rows = [head]
+    # The peak is measured on a GPU only.
+    columns = _OPTIMIZER_COLUMNS if not report.stand_in else _OPTIMIZER_COLUMNS[:-1]
+    rows = []
     for r in report.results:
         row = [
             r.name,
@@ -180,7 +223,16 @@ def format_optimizer_table(report: OptimizerReport) -> str:
     ]
     if far:
         verdict.append("BEYOND 1e-3 of no offloading: " + "; ".join(far))
-    return "\n".join([title, "", *_align(rows), "", *verdict, *report.notes])
+    lines = [
+        title,
+        "",
+        f"GPU MiB params+state ({where}); step ms ({timing})",
+        *table(columns, rows, width),
+        "",
+        *verdict,
+        *report.notes,
+    ]
+    return "\n".join(wrap(lines, width))
 
 
 def _result_dict(r: VariantResult) -> dict[str, object]:
@@ -194,114 +246,3 @@ def write_json(report: CompareReport, path: str | Path) -> None:
     data = dataclasses.asdict(report)
     data["results"] = [_result_dict(r) for r in report.results]
     Path(path).write_text(json.dumps(data, indent=2, default=str))
-
-
-_COLORS = {"compute": "#4C72B0", "offload": "#DD8452", "reload": "#55A868", "stall": "#C44E52"}
-
-
-def write_plot(
-    report: CompareReport, path: str | Path, variants: tuple[str, ...] = ("v2", "v1-async")
-) -> None:
-    """Draw the stream timeline of one step per variant, memory over the step, and the
-    optimizer section's GPU memory and step time per configuration (when it ran).
-
-    Args:
-        report: From :func:`~cpu_offload.compare.run_compare`.
-        path: The PNG file to write.
-        variants: Activation variants whose timelines are drawn (the first variant
-            with a timeline when none of them ran).
-
-    Raises:
-        RuntimeError: If matplotlib is not installed (``pip install cpu-offload[plot]``).
-    """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as err:  # pragma: no cover - depends on the environment
-        raise RuntimeError("--plot needs matplotlib: pip install 'cpu-offload[plot]'") from err
-    shown = [r for r in report.results if r.name in variants and r.spans]
-    if not shown:
-        shown = [r for r in report.results if r.spans][:1]
-    heights = [2.2] * len(shown)
-    if report.results:
-        heights.append(3.0)
-    if report.optimizer is not None:
-        heights.append(3.2)
-    fig, axes = plt.subplots(len(heights), 1, figsize=(12, sum(heights) + 0.5), squeeze=False)
-    panels = list(axes[:, 0])
-    for ax, r in zip(panels, shown, strict=False):
-        _draw_timeline(ax, r, report.simulated)
-    if report.results:
-        _draw_memory(panels[len(shown)], report)
-    if report.optimizer is not None:
-        _draw_optimizer(panels[-1], report.optimizer)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-_LANES = ("compute", "offload", "reload", "stall")
-
-
-def _draw_timeline(ax: Any, r: VariantResult, simulated: bool) -> None:
-    """One variant's step: a bar per span, one lane per stream."""
-    for span in r.spans:
-        y = _LANES.index(span.lane)
-        ax.barh(
-            y,
-            span.end_ms - span.start_ms,
-            left=span.start_ms,
-            height=0.6,
-            color=_COLORS[span.lane],
-            edgecolor="white",
-            linewidth=0.5,
-        )
-        if span.lane == "compute" and span.end_ms - span.start_ms > 0:
-            ax.text(
-                (span.start_ms + span.end_ms) / 2,
-                y,
-                span.label,
-                ha="center",
-                va="center",
-                fontsize=6,
-                color="white",
-            )
-    ax.set_yticks(range(len(_LANES)), ["compute", "offload (D2H)", "reload (H2D)", "stall"])
-    ax.invert_yaxis()
-    ax.set_title(f"{r.name}: one step, {r.step_ms:.1f} ms" + (" (simulated)" if simulated else ""))
-    ax.set_xlabel("ms")
-
-
-def _draw_memory(ax: Any, report: CompareReport) -> None:
-    """Memory above the step's start over one step, one line per activation variant."""
-    for r in report.results:
-        if r.memory:
-            t, m = zip(*r.memory, strict=True)
-            ax.step(t, [b / _MIB for b in m], where="post", label=r.name)
-    ax.set_xlabel("ms")
-    ax.set_ylabel("MiB above the step's start" + (" (simulated)" if report.simulated else ""))
-    ax.set_title("memory over the step")
-    ax.legend(fontsize=7, ncol=4)
-
-
-def _draw_optimizer(ax: Any, report: OptimizerReport) -> None:
-    """GPU memory of parameters plus optimizer state per configuration, step ratio beside."""
-    names = [r.name for r in report.results]
-    x = range(len(names))
-    ax.bar(x, [r.device_bytes / _MIB for r in report.results], color=_COLORS["compute"])
-    ax.set_xticks(list(x), names, fontsize=7)
-    ax.set_ylabel("GPU MiB, params + state", fontsize=8)
-    if report.stand_in:
-        # CPU step times of the stand-in predict nothing about a GPU: not drawn.
-        ax.set_title(
-            f"optimizer offloading ({report.optimizer}): GPU memory by accounting "
-            "(CPU stand-in; step times not shown)"
-        )
-        return
-    ratio_ax = ax.twinx()
-    ratio_ax.plot(list(x), [r.step_ratio for r in report.results], "o-", color=_COLORS["offload"])
-    ratio_ax.set_ylabel("step time x no offload", fontsize=8)
-    ratio_ax.set_ylim(bottom=0)
-    ax.set_title(f"optimizer offloading ({report.optimizer}): GPU memory (bars), step time (line)")

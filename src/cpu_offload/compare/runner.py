@@ -23,7 +23,9 @@ import torch
 from .._compat import TORCH_VERSION_STRING
 from ..engine.transport import CudaTransport, HostTransport, Transport
 from ..models import ModelSpec
+from ..v2.context import DEFAULT_MIN_TENSOR_SIZE
 from ._profile import capture_inputs, forward_cost, saved_per_layer
+from ._random import SameRandomState
 from ._rows import row_by_name
 from ._step import Installed, Step, one_step
 from .optimizer import OptimizerCompareConfig, OptimizerReport, run_optimizer_compare
@@ -58,7 +60,7 @@ class CompareConfig:
     variants: Sequence[str]
     steps: int | None = 5
     warmup: int = 2
-    min_numel: int = 256 * 1024
+    min_numel: int = DEFAULT_MIN_TENSOR_SIZE
     device: str = "cuda"
     deterministic: bool = True
     sim_tflops: float = 400.0  # assumed device throughput for the simulated mode
@@ -107,7 +109,8 @@ class CompareReport:
 
     Without the activation variants (``CompareConfig.activation=False``) ``results`` is
     empty and the noise floors are None; ``optimizer`` holds the optimizer section when
-    it ran.
+    it ran. ``same_random_state`` is True when every step of every variant (and of both
+    reference runs) started from the same CPU and CUDA generator state.
     """
 
     config: dict[str, object]
@@ -124,6 +127,7 @@ class CompareReport:
     notes: list[str] = field(default_factory=list)
     optimizer: OptimizerReport | None = None
     package_version: str = ""
+    same_random_state: bool = False
 
     def result(self, name: str) -> VariantResult:
         """The result of the activation variant called ``name``.
@@ -327,8 +331,10 @@ def _run_activation(config: CompareConfig, progress: Callable[[str], None]) -> C
         progress("measuring the pinned copy bandwidth")
         link = measure_link()
 
+    # Every step of every variant starts from this state: dropout draws the same masks.
+    random_state = SameRandomState(cuda)
     progress("reference run without offloading (twice: the noise floor)")
-    baseline = Installed(make_variant("none", n, k, config.min_numel), workload)
+    baseline = Installed(make_variant("none", n, k, config.min_numel), workload, random_state)
     try:
         ref = one_step(baseline, record=False, keep_grads=True)
         again = one_step(baseline, record=False, keep_grads=True)
@@ -348,7 +354,7 @@ def _run_activation(config: CompareConfig, progress: Callable[[str], None]) -> C
             f"[{idx}/{len(makers)}] {name}: {config.warmup} warm-up + {steps_per_variant} steps"
         )
         variant = make(n, k, config.min_numel, transport_factory)
-        installed = Installed(variant, workload)
+        installed = Installed(variant, workload, random_state)
         try:
             result = _measure(installed, ref, config.warmup, steps_per_variant, cuda)
         finally:
@@ -374,6 +380,7 @@ def _run_activation(config: CompareConfig, progress: Callable[[str], None]) -> C
         link_h2d_gbps=link[1],
         link_duplex_gbps=link[2],
         results=results,
+        same_random_state=True,
     )
     progress("profiling layers for the transfer-bound floor")
     profiles = _profiles(workload, calls, config, report)

@@ -8,9 +8,12 @@ package.module:factory``) and a ``transformers`` model built from a config file
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+import os
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -180,20 +183,62 @@ def user_workload(
     )
 
 
+@contextlib.contextmanager
+def _current_folder_first() -> Iterator[None]:
+    """The current folder first on ``sys.path`` for the block, as ``python -m`` puts it.
+
+    The ``cpu-offload`` console script starts with its own folder there instead, so a
+    package in the folder it runs from would not be found.
+    """
+    cwd = os.getcwd()
+    sys.path.insert(0, cwd)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            sys.path.remove(cwd)
+
+
+def _import_error(text: str, module_name: str, err: ImportError) -> str:
+    """What failed in importing ``module_name``, and how to fix it."""
+    missing = getattr(err, "name", None) or ""
+    itself = isinstance(err, ModuleNotFoundError) and (
+        module_name == missing or module_name.startswith(missing + ".")
+    )
+    if not itself:
+        # The module was found; something it imports was not.
+        return (
+            f"--model {text!r}: cannot import {module_name!r}: importing it raised "
+            f"{type(err).__name__}: {err}"
+        )
+    top = module_name.partition(".")[0]
+    return (
+        f"--model {text!r}: cannot import {module_name!r}: {err}; looked in the current "
+        f"folder ({os.getcwd()}) and on sys.path. Run from the folder that holds {top!r} "
+        f"(a package or {top}.py), or add that folder to PYTHONPATH "
+        "(PYTHONPATH=/path/to/that/folder cpu-offload ...)"
+    )
+
+
 def load_factory(text: str) -> Callable[..., Any]:
     """The function named by ``package.module:factory``.
 
+    The module is imported as ``python -m`` would import it: from the current folder
+    first, then ``sys.path``.
+
     Raises:
-        ValueError: If ``text`` is not of that form, the module cannot be imported, or
-            it has no callable of that name.
+        ValueError: If ``text`` is not of that form, the module cannot be imported (the
+            message says where it looked and how to fix it), or it has no callable of
+            that name.
     """
     module_name, sep, attr = text.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"--model {text!r}: expected package.module:factory")
     try:
-        module = importlib.import_module(module_name)
+        with _current_folder_first():
+            module = importlib.import_module(module_name)
     except ImportError as err:
-        raise ValueError(f"--model {text!r}: cannot import {module_name!r}: {err}") from None
+        raise ValueError(_import_error(text, module_name, err)) from None
     factory: Any = module
     for part in attr.split("."):
         factory = getattr(factory, part, None)

@@ -11,11 +11,13 @@ import argparse
 import json
 import re
 import sys
+from collections.abc import Sequence
 from typing import Any
 
-from ..cli import _DTYPES, _positive, add_model_option
+from ._model import builtin_spec, resolve_model
+from ._options import add_model_options, add_output_option, positive
 
-__all__ = ["add_plan_parser", "parse_budget", "run_plan"]
+__all__ = ["add_parser", "parse_budget", "run"]
 
 _UNITS = {
     "B": 1,
@@ -74,7 +76,7 @@ def _budget_type(text: str) -> int | float:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``plan`` subcommand to the ``cpu-offload`` parser's subparsers."""
 
     p = subparsers.add_parser(
@@ -97,30 +99,14 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="peak device memory allowed: 12GiB, 800MiB, 1.5GB, or 0.6 (a fraction of the "
         "peak without offloading)",
     )
-    add_model_option(p)
-    p.add_argument("--hidden", type=_positive("--hidden"), help="model width, built-in kinds")
-    p.add_argument("--heads", type=_positive("--heads"), help="attention heads, built-in kinds")
-    p.add_argument("--seq", type=_positive("--seq"), help="sequence length")
-    p.add_argument("--batch", type=_positive("--batch"), help="batch size")
-    p.add_argument(
-        "--layers",
-        type=_positive("--layers"),
-        help="number of layers, built-in kinds (default 8) and hf: models (the config's)",
-    )
-    p.add_argument("--dtype", choices=sorted(_DTYPES), help="bf16 on a GPU, fp32 on the CPU")
-    p.add_argument("--device", choices=("cuda", "cpu"), help="cuda when available")
-    p.add_argument("--steps", type=_positive("--steps"), help="timed steps (default 3)")
-    p.add_argument(
-        "--min-tensor-size",
-        type=int,
-        help="smallest tensor to offload, in elements (262144 on a GPU, 8192 on the CPU)",
-    )
+    add_model_options(p)
+    p.add_argument("--steps", type=positive("--steps"), help="timed steps (default 3)")
     p.add_argument("--load", metavar="PLAN.json", help="take the profile from a saved plan")
-    p.add_argument("--save", metavar="PLAN.json", help="save the plan (with its profile)")
-    p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    add_output_option(p, "--save", "PLAN.json", "save the plan (with its profile)")
+    add_output_option(p, "--json", "PATH", "write the figures as JSON")
     p.add_argument("--no-measure", action="store_true", help="print the model's figures only")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
-    p.set_defaults(plan_parser=p)
+    p.set_defaults(run=run, command_parser=p)
     return p
 
 
@@ -132,49 +118,36 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
-def run_plan(args: argparse.Namespace) -> int:
+def run(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: Sequence[str]) -> int:
     """Run ``cpu-offload plan`` with parsed ``args``.
+
+    Args:
+        parser: The ``cpu-offload`` parser (it reports unknown arguments).
+        args: What it parsed.
+        extra: The arguments it left (an error: ``plan`` takes no overrides).
 
     Returns:
         0; bad input (a budget no plan fits, an unreadable plan file) exits with status 2
         and a message.
     """
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     import torch
 
-    from ..cli import model_workload
     from ..compare.workload import spec_workload
-    from ..models import ModelSpec
-    from .io import PlanFileError, load_plan, save_plan
-    from .model import Choice, estimate
-    from .profile import measure_choices, profile_model
-    from .search import NoPlanFits, best_single_methods, search, single_methods
+    from ..plan.io import PlanFileError, load_plan, save_plan
+    from ..plan.model import Choice, estimate
+    from ..plan.profile import measure_choices, profile_model
+    from ..plan.search import NoPlanFits, best_single_methods, search, single_methods
 
-    parser: argparse.ArgumentParser = args.plan_parser
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: CUDA is not available here")
-    gpu = device == "cuda"
-    dtype = getattr(torch, _DTYPES[args.dtype or ("bf16" if gpu else "fp32")])
-    min_numel = args.min_tensor_size
-    if min_numel is None:
-        min_numel = 256 * 1024 if gpu else 8 * 1024
-    if min_numel < 0:
-        parser.error("--min-tensor-size must be >= 0")
+    plan_parser: argparse.ArgumentParser = args.command_parser
     steps = args.steps or 3
-    # The same --model as compare: a built-in kind, package.module:factory or hf:config.
-    workload = model_workload(parser, args, device, dtype)
+    # The same model options, defaults and checks as compare.
+    choice = resolve_model(plan_parser, args)
+    device, min_numel, gpu = choice.device, choice.min_numel, choice.gpu
+    workload = choice.workload
     if workload is None:
-        spec = ModelSpec(
-            kind=args.model,
-            hidden=args.hidden or (2048 if gpu else 128),
-            heads=args.heads or (16 if gpu else 4),
-            seq=args.seq or (2048 if gpu else 128),
-            batch=args.batch or (2 if gpu else 4),
-            layers=args.layers or 8,
-            dtype=dtype,
-        )
-        if spec.hidden % spec.heads:
-            parser.error(f"--heads ({spec.heads}) must divide --hidden ({spec.hidden})")
+        spec = builtin_spec(plan_parser, args, choice, args.layers or choice.defaults.layers)
         workload = spec_workload(spec, device)
     model, num_layers = workload.model, len(workload.layers)
 
@@ -189,11 +162,11 @@ def run_plan(args: argparse.Namespace) -> int:
         try:
             profile = load_plan(args.load).profile
         except (OSError, PlanFileError) as err:
-            parser.error(f"--load: {err}")
+            plan_parser.error(f"--load: {err}")
         if profile is None:
-            parser.error(f"--load {args.load}: the file holds no profile to plan from")
+            plan_parser.error(f"--load {args.load}: the file holds no profile to plan from")
         if profile.num_layers != num_layers:
-            parser.error(
+            plan_parser.error(
                 f"--load {args.load}: its profile has {profile.num_layers} layers, the "
                 f"model {num_layers}"
             )
@@ -209,7 +182,7 @@ def run_plan(args: argparse.Namespace) -> int:
     try:
         plan = search(profile, budget)
     except NoPlanFits as err:
-        parser.error(f"--budget: {err}")
+        plan_parser.error(f"--budget: {err}")
     single = best_single_methods(profile, plan.peak_bytes)
     rows: list[dict[str, Any]] = [
         {"name": "no offloading", "choices": (Choice.KEEP,) * n, "modelled": keep},
