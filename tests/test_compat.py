@@ -271,3 +271,15 @@ def test_checkpoint_whole_runs_the_function_to_its_end_in_backward() -> None:
     checkpoint_whole(fn, x).sum().backward()
     assert len(ends) == 2  # the forward, and the whole recomputation
     assert torch.equal(x.grad, torch.ones(3).exp())
+
+
+def test_checkpoint_whole_gives_the_function_keywords_named_like_checkpoint_options() -> None:
+    seen: list[object] = []
+
+    def fn(t: torch.Tensor, debug: object = None, context_fn: object = None) -> torch.Tensor:
+        seen.append((debug, context_fn))
+        return t.exp()  # saves its result: backward recomputes it
+
+    x = torch.ones(2, requires_grad=True)
+    checkpoint_whole(fn, x, debug="mine", context_fn="also mine").sum().backward()
+    assert seen == [("mine", "also mine")] * 2

@@ -285,3 +285,30 @@ def test_the_kv_cache_is_left_out_of_training_forwards() -> None:
     assert torch.equal(out.loss, want)
     for g, w in zip((p.grad for p in model.parameters()), want_grads, strict=True):
         assert torch.equal(g, w)
+
+
+def test_a_class_made_from_the_wrapped_one_stays_and_remove_still_works() -> None:
+    # FSDP2's fully_shard gives a module a class made from its own, as this does.
+    model = _stack(CallCheckpointed, 2)
+    handle = offload_layers(model, 1, min_tensor_size_to_offload=MIN)
+    sharded = type("FSDPCallCheckpointed", (type(model[0]),), {})
+    model[0].__class__ = sharded
+    handle.remove()
+    assert type(model[0]) is sharded and type(model[1]) is CallCheckpointed
+    x = _input()
+    assert torch.equal(model[0](x), CallCheckpointed.forward(model[0], x))
+
+
+@pytest.mark.parametrize("block", [CallCheckpointed, StatefulBlock])
+def test_a_copy_made_while_wrapped_keeps_nothing_of_the_original_alive(block) -> None:  # type: ignore[no-untyped-def]
+    import gc
+
+    model = _stack(block, 2)
+    handle = offload_layers(model, 1, min_tensor_size_to_offload=MIN)
+    twin = copy.deepcopy(model)
+    alive = weakref.ref(model[0])
+    handle.remove()
+    del model, handle
+    gc.collect()
+    assert alive() is None
+    twin(_input()).sum().backward()  # the copy runs as a plain model

@@ -103,6 +103,19 @@ def test_keep_and_recompute_by_hand() -> None:
     assert rec.peak_bytes == 7 + 100 + 2000
 
 
+def test_the_head_adds_to_what_the_layers_hold_at_the_end_of_the_forward() -> None:
+    layer = LayerCost(1.0, 2.0, saved_bytes=1000, offload_bytes=900, input_bytes=100)
+    profile = Profile((layer,) * 3, Link(1e-3, 1e-3), static_bytes=7, head_bytes=500)
+    # Kept: all three layers' activations are on the device while the head runs.
+    assert estimate(profile, ["keep"] * 3).peak_bytes == 7 + 3000 + 500
+    # Recomputed: only the inputs are, and the recomputation's own peak comes later.
+    rec = estimate(profile, ["recompute"] * 3)
+    assert rec.peak_bytes == 7 + max(3 * 100 + 500, 2 * 100 + 1000)
+    # Offloaded: the offload has released its bytes when the head runs.
+    off = estimate(profile, ["offload", "keep", "keep"])
+    assert off.peak_bytes == 7 + 100 + 2000 + 500
+
+
 def test_copies_that_do_not_fit_stall_compute() -> None:
     # 1000 bytes at 500 bytes/ms: 2 ms per copy against 1 ms of forward.
     layer = LayerCost(1.0, 2.0, saved_bytes=1000, offload_bytes=1000, input_bytes=0)

@@ -76,6 +76,10 @@ def test_profile_counts_what_the_engine_offloads() -> None:
         assert cost.input_bytes == 2 * 32 * 64 * 4
         assert cost.forward_ms > 0 and cost.backward_ms > 0
         assert cost.recompute_ms is not None
+    # Recomputation is timed as a whole and shared out by forward time.
+    shares = {round(c.rerun_ms / c.forward_ms, 9) for c in profile.layers}
+    assert len(shares) == 1
+    assert profile.head_bytes == 0  # measured on the GPU only
     # Offloading layer 0 with the engine moves exactly the bytes the profile counted.
     transport = HostTransport()
     x = _batches()[0]

@@ -169,3 +169,24 @@ def test_reassign_changes_the_layers_between_steps_and_refuses_bad_sets() -> Non
     handle.remove()
     with pytest.raises(RuntimeError, match="reassign\\(\\) after remove\\(\\)"):
         handle.reassign(offloaded=[0])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"slack": "1%"}, ValueError, "slack must be a finite number >= 0"),
+        ({"slack": -0.5}, ValueError, "slack must be a finite number >= 0"),
+        ({"max_tightenings": -1}, ValueError, "max_tightenings must be >= 0"),
+        ({"max_tightenings": 1.5}, TypeError, "max_tightenings must be an int"),
+    ],
+)
+def test_budget_check_arguments_are_checked(kwargs: dict, error: type, match: str) -> None:
+    model = _model()
+    plan = Plan((Choice.KEEP,) * LAYERS, 1, 0.0, 0)
+    with offload_layers(model, recomputed=[0]) as handle:
+        with pytest.raises(error, match=match):
+            BudgetCheck(handle, plan, **kwargs)
+        with pytest.raises(ValueError, match="made for 2 layers, but the handle wraps 6"):
+            BudgetCheck(handle, Plan((Choice.KEEP,) * 2, 1, 0.0, 0))
+        with pytest.raises(TypeError, match="handle must be what offload_layers returns"):
+            BudgetCheck(model, plan)  # type: ignore[arg-type]

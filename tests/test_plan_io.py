@@ -28,7 +28,12 @@ def _plan() -> Plan:
         LayerCost(1.0, 2.0, 1000, 900, 100),
     )
     profile = Profile(
-        layers, Link(0.001, 0.002, 0.0025, two_streams=True), 77, 0.25, "a test device"
+        layers,
+        Link(0.001, 0.002, 0.0025, two_streams=True),
+        77,
+        0.25,
+        "a test device",
+        head_bytes=321,
     )
     return search(profile, 3000)
 
@@ -45,6 +50,14 @@ def test_round_trip_keeps_plan_and_profile(tmp_path: Path) -> None:
     # The profile in the file is enough to plan again for another budget.
     assert loaded.profile is not None
     assert search(loaded.profile, 2500) == search(plan.profile, 2500)  # type: ignore[arg-type]
+
+
+def test_a_file_written_before_the_head_was_measured_loads_with_none() -> None:
+    data = plan_to_dict(_plan())
+    assert data["profile"]["head_bytes"] == 321
+    del data["profile"]["head_bytes"]
+    loaded = plan_from_dict(data)
+    assert loaded.profile is not None and loaded.profile.head_bytes == 0
 
 
 def test_round_trip_without_profile() -> None:

@@ -8,6 +8,7 @@ among them) so that tests can check it for every release of the nox matrix.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any, Literal
@@ -221,12 +222,15 @@ def checkpoint_whole(function: Callable[..., Any], *args: Any, **kwargs: Any) ->
         >>> x.grad
         tensor([3., 3.])
     """
+    # The keyword arguments are bound first: checkpoint() keeps those named like its own
+    # options (debug, context_fn, ...) for itself.
+    call = functools.partial(function, **kwargs) if kwargs else function
     if _EARLY_STOP_KWARG:
-        return torch_checkpoint.checkpoint(
-            function, *args, use_reentrant=False, early_stop=False, **kwargs
-        )
+        return torch_checkpoint.checkpoint(call, *args, use_reentrant=False, early_stop=False)
+    # Before PyTorch 2.9 the setting is a process-wide switch: a checkpoint another
+    # thread starts meanwhile runs without early stop too (which only costs it time).
     with torch_checkpoint.set_checkpoint_early_stop(False):
-        return torch_checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
+        return torch_checkpoint.checkpoint(call, *args, use_reentrant=False)
 
 
 def in_checkpoint_forward() -> bool:
@@ -242,7 +246,11 @@ def in_checkpoint_forward() -> bool:
     Returns:
         True inside a non-reentrant checkpoint's forward (selective checkpointing too),
         False elsewhere (a reentrant checkpoint runs its forward without grad, so
-        nothing is saved there).
+        nothing is saved there). Before PyTorch 2.8 the hook stack cannot be read, and
+        the answer is whether ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``
+        is being called further up the stack: True also where other hooks were pushed
+        inside that checkpoint, and False for checkpoints that do not go through that
+        function (``torch.distributed._composable.checkpoint``).
 
     Example:
         >>> in_checkpoint_forward()

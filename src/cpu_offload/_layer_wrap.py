@@ -23,11 +23,11 @@ __all__ = ["WRAP_ATTR", "CallPatch", "ForwardPatch", "Patch", "Wrap", "patch_lay
 # nn.Module.__call__ finds it), and the wrapping state beside it under WRAP_ATTR. The
 # state knows the very layer it was made for. A copy of a wrapped layer
 # (``copy.deepcopy`` for an EMA or reference model, ``torch.save`` of the whole model)
-# gets the bound method rebound to itself, and the state shared (``__deepcopy__``) or
-# dropped (pickling); seeing that the state is not its own, the copy runs its class's
-# forward: a plain layer with its own weights, outside the original's schedule. Were
-# the state a closure over the original's bound forward, the copy would run the
-# original's weights and advance its schedule.
+# gets the bound method rebound to itself, and the state dropped (``__deepcopy__`` and
+# pickling both give None, which keeps nothing of the original alive); finding no state
+# of its own, the copy runs its class's forward: a plain layer with its own weights,
+# outside the original's schedule. Were the state a closure over the original's bound
+# forward, the copy would run the original's weights and advance its schedule.
 WRAP_ATTR = "_cpu_offload_wrap"
 
 
@@ -52,8 +52,8 @@ class Wrap:
         self.index = index
         self.forward = forward  # what the layer ran before wrapping
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> Wrap:
-        return self  # shared: the copy sees that it is not the layer this was made for
+    def __deepcopy__(self, memo: dict[int, Any]) -> None:
+        return None  # the copy is a plain layer (see the NOTE above)
 
     def __reduce__(self) -> tuple[Callable[[], None], tuple[()]]:
         return (_no_wrap, ())
@@ -176,21 +176,25 @@ class CallPatch:
         self.layer = layer
         self.cls = type(layer)
         self.subclass = _calling_subclass(self.cls)  # type: ignore[arg-type]
+        layer.__class__ = self.subclass
         layer.__dict__[WRAP_ATTR] = Wrap(
             layer, runner, index, functools.partial(self.cls.__call__, layer)
         )
-        layer.__class__ = self.subclass
 
     def check(self) -> None:
-        if type(self.layer) is not self.subclass:
+        # A subclass of ours is fine (FSDP2's fully_shard makes one): see undo().
+        if not isinstance(self.layer, self.subclass):
             raise RuntimeError(
                 f"offload_layers: the class of {self.cls.__name__} was replaced after "
                 "offload_layers wrapped it; undo that wrapper first"
             )
 
     def undo(self) -> None:
-        self.layer.__class__ = self.cls
         del self.layer.__dict__[WRAP_ATTR]
+        if type(self.layer) is self.subclass:
+            self.layer.__class__ = self.cls
+        # Else a class made from ours (FSDP2's) stays: without the wrapping state its
+        # __call__ is the original class's.
 
 
 def patch_layer(layer: nn.Module, runner: Runner, index: int) -> Patch:

@@ -10,7 +10,7 @@ from torch import nn
 from .._args import check_bool
 from .._layer_stack import find_layers
 from ..layers import OffloadedLayers, offload_layers
-from .budget import BudgetCheck
+from .budget import BudgetCheck, CudaPeak
 from .search import Plan
 
 __all__ = ["apply_plan", "check_plan_layers"]
@@ -66,7 +66,11 @@ def apply_plan(
     next step (with a warning), and that step is checked too; where no plan fits, the
     next forward raises :class:`cpu_offload.plan.PlanOverBudget`, saying by how much
     the plan is over. The check resets the CUDA peak-memory statistics when a step it
-    watches begins.
+    watches begins. Under ``torch.distributed`` every rank decides from the largest peak
+    of all ranks, so that ranks that run the same plan keep running the same plan; for
+    other groups (one pipeline stage's ranks), install
+    ``BudgetCheck(handle, plan, memory=CudaPeak(device, group))`` with
+    ``check_budget=False`` and :meth:`cpu_offload.OffloadedLayers.watch_steps`.
 
     Args:
         model_or_layers: What :func:`cpu_offload.offload_layers` accepts.
@@ -101,6 +105,8 @@ def apply_plan(
     handle = offload_layers(
         layers, offloaded=plan.offloaded, recomputed=plan.recomputed, **context_kwargs
     )
-    if check_budget and any(p.is_cuda for layer in layers for p in layer.parameters()):
-        handle.watch_steps(BudgetCheck(handle, plan))
+    devices = {p.device for layer in layers for p in layer.parameters() if p.is_cuda}
+    if check_budget and devices:
+        device = min(devices, key=lambda d: d.index or 0)
+        handle.watch_steps(BudgetCheck(handle, plan, memory=CudaPeak(device)))
     return handle

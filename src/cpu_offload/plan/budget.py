@@ -11,25 +11,19 @@ figures. A plan never exceeds its budget silently.
 
 from __future__ import annotations
 
-import warnings
+import math
 from typing import Any, Protocol
 
 import torch
 
 from .._compat import queue_backward_callback
 from .._log import logger
+from .._warn import warn_at_caller
+from ..compare.report import format_bytes as _size
 from ..layers import OffloadedLayers, sync_first
 from .search import NoPlanFits, Plan, search
 
 __all__ = ["BudgetCheck", "CudaPeak", "PeakMemory", "PlanOverBudget"]
-
-
-def _size(nbytes: float) -> str:
-    """Bytes in GiB, MiB or KiB, whichever reads best."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(nbytes) >= scale:
-            return f"{nbytes / scale:.2f} {unit}"
-    return f"{int(nbytes)} bytes"
 
 
 class PeakMemory(Protocol):
@@ -41,13 +35,38 @@ class PeakMemory(Protocol):
 
 
 class CudaPeak:
-    """The current CUDA device's peak allocated memory (``torch.cuda.max_memory_allocated``)."""
+    """A CUDA device's peak allocated memory (``torch.cuda.max_memory_allocated``).
+
+    Under ``torch.distributed`` the peak read is the largest of the process group's
+    ranks, so that every rank that runs the plan decides the same: ranks whose layers
+    run collectives (tensor parallelism) must run the same plan, or their collectives
+    pair up wrongly.
+
+    Args:
+        device: The device the plan's layers run on.
+        group: The ranks that decide together: the default process group when
+            ``torch.distributed`` is initialized (None), or the one given (under
+            pipeline parallelism, the ranks of one stage). ``False``: this rank alone.
+    """
+
+    def __init__(self, device: torch.device | int | None = None, group: Any = None) -> None:
+        self.device = device
+        self.group = group
 
     def reset(self) -> None:
-        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.reset_peak_memory_stats(self.device)
 
     def peak(self) -> int:
-        return int(torch.cuda.max_memory_allocated())
+        peak = int(torch.cuda.max_memory_allocated(self.device))
+        dist = torch.distributed
+        if self.group is False or not (dist.is_available() and dist.is_initialized()):
+            return peak
+        group = self.group if self.group is not None else dist.group.WORLD
+        backend = dist.get_backend(group)
+        on = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
+        value = torch.tensor([peak], dtype=torch.int64, device=on)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+        return int(value.item())
 
 
 class PlanOverBudget(NoPlanFits):
@@ -67,7 +86,8 @@ class BudgetCheck:
         plan: The plan.
         slack: Fraction of the budget a peak may exceed it by and still count as within.
         max_tightenings: Tighter plans tried before giving up.
-        memory: Where peaks are read (:class:`CudaPeak` by default).
+        memory: Where peaks are read (:class:`CudaPeak` by default: the current
+            device, and under ``torch.distributed`` the largest peak of all ranks).
 
     Attributes:
         plan: The plan applied now (a tightened one after a step over budget).
@@ -86,6 +106,28 @@ class BudgetCheck:
         max_tightenings: int = 3,
         memory: PeakMemory | None = None,
     ) -> None:
+        if not isinstance(handle, OffloadedLayers):
+            raise TypeError(
+                f"handle must be what offload_layers returns, got {type(handle).__name__}"
+            )
+        if not isinstance(plan, Plan):
+            raise TypeError(f"plan must be a cpu_offload.plan.Plan, got {type(plan).__name__}")
+        if len(plan.choices) != handle.num_layers:
+            raise ValueError(
+                f"plan: the plan was made for {len(plan.choices)} layers, but the handle "
+                f"wraps {handle.num_layers}"
+            )
+        if (
+            isinstance(slack, bool)
+            or not isinstance(slack, (int, float))
+            or not math.isfinite(slack)
+            or slack < 0
+        ):
+            raise ValueError(f"slack must be a finite number >= 0 (0.01: 1%), got {slack!r}")
+        if isinstance(max_tightenings, bool) or not isinstance(max_tightenings, int):
+            raise TypeError(f"max_tightenings must be an int, got {max_tightenings!r}")
+        if max_tightenings < 0:
+            raise ValueError(f"max_tightenings must be >= 0, got {max_tightenings}")
         self.handle = handle
         self.memory = memory if memory is not None else CudaPeak()
         self.plan = plan
@@ -149,12 +191,11 @@ class BudgetCheck:
         reason = self._tighten(peak)
         if reason is None:
             assert self._pending is not None
-            warnings.warn(
+            warn_at_caller(
                 f"the plan {plan.describe()} peaked at {_size(peak)}, over its budget "
                 f"of {_size(self.budget_bytes)} by {_size(over)} (the model said "
                 f"{_size(plan.peak_bytes)}): it runs as {self._pending.describe()} from "
-                "the next step, whose peak is checked again",
-                stacklevel=2,
+                "the next step, whose peak is checked again"
             )
             return
         self._error = PlanOverBudget(
