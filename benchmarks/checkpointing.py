@@ -30,6 +30,7 @@ import statistics
 import sys
 
 import torch
+from _models import LLAMA_VOCAB, llama
 from _report import run_isolated, write_reports
 
 CONFIGS = {
@@ -38,30 +39,13 @@ CONFIGS = {
 }
 
 
-def _model(dims: dict):  # type: ignore[no-untyped-def]
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    h = dims["hidden"]
-    cfg = LlamaConfig(
-        hidden_size=h,
-        intermediate_size=int(2.6875 * h),
-        num_hidden_layers=dims["layers"],
-        num_attention_heads=h // 64,
-        num_key_value_heads=h // 64,
-        vocab_size=32000,
-        max_position_embeddings=dims["seq"],
-    )
-    return LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).train()
-
-
 def _run(name: str, steps: int, repeats: int) -> dict:
     import cpu_offload
 
     dims = CONFIGS[name]
-    model = _model(dims)
+    model = llama(dims["hidden"], dims["layers"], dims["seq"])
     n = dims["layers"]
-    ids = torch.randint(0, 32000, (dims["batch"], dims["seq"]), device="cuda")
+    ids = torch.randint(0, LLAMA_VOCAB, (dims["batch"], dims["seq"]), device="cuda")
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         p.grad = torch.zeros_like(p)

@@ -31,6 +31,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _models import LLAMA_VOCAB, MEGATRON_VOCAB, llama, megatron_gpt  # noqa: E402
 from _report import run_isolated, write_reports  # noqa: E402
 from activation_offload import WORKLOADS  # noqa: E402
 
@@ -74,62 +75,18 @@ def _gpt(dims: dict) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
 
 
 def _llama(dims: dict) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    h = dims["hidden"]
-    cfg = LlamaConfig(
-        hidden_size=h,
-        intermediate_size=int(2.6875 * h),
-        num_hidden_layers=dims["layers"],
-        num_attention_heads=h // 64,
-        num_key_value_heads=h // 64,
-        vocab_size=32000,
-        max_position_embeddings=dims["seq"],
-    )
-    model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).train()
-    ids = torch.randint(0, 32000, (dims["batch"], dims["seq"]), device="cuda")
+    model = llama(dims["hidden"], dims["layers"], dims["seq"])
+    ids = torch.randint(0, LLAMA_VOCAB, (dims["batch"], dims["seq"]), device="cuda")
     return model, lambda: model(input_ids=ids, labels=ids, use_cache=False).loss
 
 
 def _megatron(dims: dict) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
-    # Megatron-Core's GPTModel, local layer spec (no Transformer Engine), bf16 through its
-    # Float16Module, on one GPU; offload_layers finds module.decoder.layers.
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.module import Float16Module
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29519")
-    torch.distributed.init_process_group("nccl", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    torch.manual_seed(1)
-    model_parallel_cuda_manual_seed(1)
-    cfg = TransformerConfig(
-        num_layers=dims["layers"],
-        hidden_size=dims["hidden"],
-        num_attention_heads=dims["heads"],
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bf16=True,
-        params_dtype=torch.bfloat16,
+    # offload_layers finds Float16Module's module.decoder.layers.
+    model, loss = megatron_gpt(
+        dims["layers"], dims["hidden"], dims["heads"], dims["seq"], dims["batch"]
     )
-    gpt = GPTModel(
-        cfg,
-        get_gpt_layer_local_spec(),
-        vocab_size=dims.get("vocab", 32768),
-        max_sequence_length=dims["seq"],
-    )
-    model = Float16Module(cfg, gpt.cuda())
-    b, s = dims["batch"], dims["seq"]
-    tokens = torch.randint(0, dims.get("vocab", 32768), (b, s), device="cuda")
-    labels = torch.roll(tokens, -1, 1)
-    pos = torch.arange(s, device="cuda").unsqueeze(0).expand(b, -1)
-    mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool, device="cuda"), diagonal=1)
-    return model, lambda: model(tokens, pos, mask, labels=labels).float().mean()
+    tokens = torch.randint(0, MEGATRON_VOCAB, (dims["batch"], dims["seq"]), device="cuda")
+    return model, lambda: loss(tokens)
 
 
 def _build(name: str, quick: bool) -> tuple[nn.Module, Callable[[], torch.Tensor]]:

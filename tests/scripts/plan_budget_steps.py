@@ -15,13 +15,18 @@ Usage: plan_budget_steps.py {llama,megatron} [--fractions 0.8,0.6,0.45] [--steps
 import argparse
 import json
 import os
-import socket
 import statistics
+import sys
 import warnings
+from pathlib import Path
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import torch
+
+# The models the benchmarks build, from benchmarks/_models.py.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from _models import llama, megatron_gpt  # noqa: E402
 
 from cpu_offload.plan import NoPlanFits, PlanOverBudget, apply_plan, profile_model, search
 
@@ -38,56 +43,12 @@ torch.use_deterministic_algorithms(True)
 
 
 def _llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    h = args.hidden
-    cfg = LlamaConfig(
-        hidden_size=h,
-        intermediate_size=int(2.6875 * h),
-        num_hidden_layers=args.layers,
-        num_attention_heads=h // 64,
-        num_key_value_heads=h // 64,
-        vocab_size=32000,
-        max_position_embeddings=args.seq,
-    )
-    model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).train()
+    model = llama(args.hidden, args.layers, args.seq)
     return model, lambda ids: model(input_ids=ids, labels=ids).loss
 
 
 def _megatron():
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.module import Float16Module
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    if not torch.distributed.is_initialized():
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ["MASTER_PORT"] = str(port)
-        torch.distributed.init_process_group("nccl", rank=0, world_size=1)
-        parallel_state.initialize_model_parallel(1, 1)
-    torch.manual_seed(1)
-    model_parallel_cuda_manual_seed(1)
-    cfg = TransformerConfig(
-        num_layers=args.layers,
-        hidden_size=args.hidden,
-        num_attention_heads=args.hidden // 64,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bf16=True,
-        params_dtype=torch.bfloat16,
-    )
-    gpt = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=32768, max_sequence_length=args.seq)
-    model = Float16Module(cfg, gpt.cuda())
-    s = args.seq
-    pos = torch.arange(s, device="cuda").unsqueeze(0).expand(args.batch, -1)
-    mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool, device="cuda"), diagonal=1)
-    return model, lambda ids: model(ids, pos, mask, labels=torch.roll(ids, -1, 1)).float().mean()
+    return megatron_gpt(args.layers, args.hidden, args.hidden // 64, args.seq, args.batch)
 
 
 BUILD = {"llama": _llama, "megatron": _megatron}[args.model]
