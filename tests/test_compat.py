@@ -186,6 +186,12 @@ def test_fake_and_functional_tensors_are_recognised() -> None:
     assert _compat.is_fake_or_functional(functional) is True
 
 
+def test_dynamo_skip_exists_on_this_release() -> None:
+    # torch.compile of offloaded models rests on it (cpu_offload._compile): a release of
+    # the matrix without it fails here rather than in a compiled model.
+    assert _compat.dynamo_skip("cpu_offload.engine") is True
+
+
 # ---- only the compat module looks at the PyTorch version ----------------------------
 
 _VERSION_LOOKS = re.compile(

@@ -20,6 +20,7 @@ __all__ = [
     "TORCH_VERSION",
     "TORCH_VERSION_STRING",
     "capture_buffer_policy",
+    "dynamo_skip",
     "fused_optimizer_supported",
     "in_backward",
     "is_current_stream_capturing",
@@ -152,6 +153,31 @@ def fused_optimizer_supported(device_type: str, version: Version | str | None = 
     if device_type == "cpu":
         return _release(v) >= (2, 4)
     return False
+
+
+def dynamo_skip(module: str) -> bool:
+    """Have TorchDynamo treat ``module`` (a module or package) as PyTorch's own internals.
+
+    Dynamo then neither traces into it (a call from compiled code is a graph break, and
+    the function runs as plain Python) nor compiles its functions when they are called
+    from compiled code (a saved-tensor hook), while what they call outside it is compiled
+    as usual. This is ``torch._dynamo.trace_rules.add``, which every supported release
+    has (``tests/test_compat.py`` checks it on each release of the matrix); it imports
+    ``torch._dynamo`` (about a second, once per process).
+
+    Args:
+        module: A dotted module name, ``"cpu_offload.engine"``.
+
+    Returns:
+        False if this PyTorch has no such function (nothing was done), True otherwise.
+    """
+    from torch._dynamo import trace_rules
+
+    add = getattr(trace_rules, "add", None)
+    if add is None:  # pragma: no cover - every supported release has it
+        return False
+    add(module)
+    return True
 
 
 def is_fake_or_functional(tensor: torch.Tensor) -> bool:

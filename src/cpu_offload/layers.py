@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import types
 import weakref
 from collections.abc import Callable, Iterable
@@ -18,10 +19,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from ._args import check_int
 from ._compat import in_backward
+from ._compile import keep_engine_out_of_compile
+from ._layer_call import run_layer, run_layer_recomputed
 from ._layer_stack import check_indices, find_layers, offload_schedule
 from ._log import logger
 from ._marking import MarkOutputs
@@ -67,6 +69,23 @@ def sync_first(out: Any, sync: Callable[[torch.Tensor], torch.Tensor], index: in
     )
 
 
+def _unbound(
+    forward: Callable[..., Any], args: tuple[Any, ...]
+) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    """``forward`` and ``args`` as a plain function and its arguments, the module first.
+
+    For :mod:`cpu_offload._layer_call`, whose frame torch.compile compiles: it guards on
+    the identity of what it calls (PyTorch 2.6), and a bound method is an object per
+    layer, so each layer would compile again and layers past the recompile limit (8)
+    would run uncompiled. A class's function is one object for all its layers.
+    """
+    func = getattr(forward, "__func__", None)
+    owner = getattr(forward, "__self__", None)
+    if func is None or owner is None:
+        return forward, args
+    return func, (owner, *args)
+
+
 class _Runner:
     """Runs one layer's forward: recomputed, offloaded, or counted by the schedule."""
 
@@ -94,15 +113,12 @@ class _Runner:
             # Evaluation (nothing is saved for backward), or a recomputation inside
             # backward (a model's own activation checkpointing, whose activations are
             # used at once): the schedule must not count it.
-            return forward(*args, **kwargs)
-        if index in self.recomputed:
-
-            def run() -> Any:
-                return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-        else:
-
-            def run() -> Any:
-                return forward(*args, **kwargs)
+            return run_layer(*_unbound(forward, args), kwargs)
+        run = functools.partial(
+            run_layer_recomputed if index in self.recomputed else run_layer,
+            *_unbound(forward, args),
+            kwargs,
+        )
 
         if self.context is None:
             return run()
@@ -363,6 +379,7 @@ def layer_runner(
         ValueError: If the backend cannot offload the set (V1: only the first k; V2: not
             all of the layers).
     """
+    keep_engine_out_of_compile()  # see NOTE [torch.compile and the offload engine]
     v1 = use_v1()
     context = sync = None
     backend = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from types import TracebackType
 
+from .._compile import keep_engine_out_of_compile
 from .active import ActiveHooks, ContextOwner
 
 __all__ = ["OffloadContextBase"]
@@ -24,6 +25,7 @@ class OffloadContextBase:
     """
 
     def __init__(self) -> None:
+        keep_engine_out_of_compile()  # see NOTE [torch.compile and the offload engine]
         self.inside_context = False
         self._hooks: ActiveHooks | None = None
         self._owner = ContextOwner()
