@@ -328,9 +328,13 @@ def _offloaded_set(
     if num_offloaded is None:
         return frozenset()
     check_int("num_offloaded", num_offloaded)
-    if not 0 <= num_offloaded <= n:
+    v1 = use_v1()
+    top = n if v1 else n - 1  # V2 keeps at least one layer's activations on the GPU
+    if not 0 <= num_offloaded <= top:
+        why = "V1 backend" if v1 else "V2 backend, which keeps one layer's activations on the GPU"
         raise ValueError(
-            f"num_offloaded must be in [0, {n}] for a stack of {n} layers, got {num_offloaded}"
+            f"num_offloaded must be in [0, {top}] for a stack of {n} layers under the "
+            f"{why}, got {num_offloaded}"
         )
     return frozenset(range(num_offloaded))
 

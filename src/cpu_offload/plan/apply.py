@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+import warnings
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from torch import nn
 
 from .._layer_stack import find_layers
 from ..layers import OffloadedLayers, offload_layers
+from ..v2.schedule import NoOverlapWarning
 from .search import Plan
 
-__all__ = ["apply_plan", "check_plan_layers"]
+__all__ = ["apply_plan", "as_modelled", "check_plan_layers"]
 
 
 def check_plan_layers(plan: Plan, num_layers: int, name: str = "plan") -> None:
@@ -41,6 +44,20 @@ def check_plan_layers(plan: Plan, num_layers: int, name: str = "plan") -> None:
             f"{name}: the plan was made for {len(plan.choices)} layers, but the model has "
             f"{num_layers}: make a plan for this model"
         )
+
+
+@contextlib.contextmanager
+def as_modelled() -> Iterator[None]:
+    """Set up a plan's offloading without the warning about offloading ``n - 1`` layers.
+
+    That warning (:class:`cpu_offload.v2.schedule.NoOverlapWarning`) advises offloading
+    fewer layers so that copies overlap compute; a plan that offloads the first ``n - 1``
+    layers (``OOOK``) chose them for its memory budget with the waiting already in its
+    estimate, so the advice would contradict it.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NoOverlapWarning)
+        yield
 
 
 def apply_plan(
@@ -80,6 +97,7 @@ def apply_plan(
     """
     check_plan_layers(plan, len(find_layers(model_or_layers)))
     # offloaded=() (not None) so that a plan keeping every layer is a valid no-op.
-    return offload_layers(
-        model_or_layers, offloaded=plan.offloaded, recomputed=plan.recomputed, **context_kwargs
-    )
+    with as_modelled():
+        return offload_layers(
+            model_or_layers, offloaded=plan.offloaded, recomputed=plan.recomputed, **context_kwargs
+        )
