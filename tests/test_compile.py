@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -83,6 +84,19 @@ def _pair(layers: int = 4, graph_breaks: bool = False) -> tuple[Model, Model]:
     offloaded = copy.deepcopy(model)
     offloaded.graph_breaks = False
     return model, offloaded
+
+
+def loop(m: Model, context: Any, sync: Callable) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The model's forward written as the hand-written loop of get_cpu_offload_context."""
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        for layer in m.layers:
+            with context:
+                x = layer(x)
+            x = sync(x)
+        return m.norm(x)
+
+    return run
 
 
 def _steps(run: Callable[[torch.Tensor], torch.Tensor], model: nn.Module, steps: int = 2):
@@ -192,16 +206,6 @@ def test_hand_written_loop(compiled: str) -> None:
         True, 2, 4, transport=transport, min_tensor_size_to_offload=MIN
     )
 
-    def loop(m: Model, context, sync_function) -> Callable[[torch.Tensor], torch.Tensor]:
-        def run(x: torch.Tensor) -> torch.Tensor:
-            for layer in m.layers:
-                with context:
-                    x = layer(x)
-                x = sync_function(x)
-            return m.norm(x)
-
-        return run
-
     plain = (contextlib.nullcontext(), lambda t: t)
     if compiled == "loop":
         expected = _steps(torch.compile(loop(ref, *plain), backend=BACKEND), ref)
@@ -251,13 +255,7 @@ def test_fullgraph_of_the_whole_model_is_refused_naming_cpu_offload(driver: str)
         offload_layers(model, num_offloaded=1, min_tensor_size_to_offload=MIN)
     else:
         ctx, sync = get_cpu_offload_context(True, 1, 4, min_tensor_size_to_offload=MIN)
-
-        def run(x: torch.Tensor) -> torch.Tensor:
-            for layer in model.layers:
-                with ctx:
-                    x = layer(x)
-                x = sync(x)
-            return x
+        run = loop(model, ctx, sync)
 
     compiled = torch.compile(run, backend=BACKEND, fullgraph=True)
     # Dynamo's own error: a function in a file of cpu_offload, or the context it cannot enter.

@@ -12,7 +12,7 @@ import copy
 
 import pytest
 import torch
-from test_compile import Model
+from test_compile import Model, loop
 
 from cpu_offload import get_cpu_offload_context, offload_layers
 
@@ -80,15 +80,7 @@ def test_hand_written_loop_compiled_under_inductor(deterministic) -> None:
     torch._dynamo.reset()
     reference, model = _models()
     ctx, sync = get_cpu_offload_context(True, LAYERS // 2, LAYERS)
-
-    def loop(x: torch.Tensor) -> torch.Tensor:
-        for layer in model.layers:
-            with ctx:
-                x = layer(x)
-            x = sync(x)
-        return model.norm(x)
-
     want = _train(torch.compile(reference), reference)
-    got = _train(torch.compile(loop), model)
+    got = _train(torch.compile(loop(model, ctx, sync)), model)
     assert ctx.offload_synchronizer.transport.bytes_offloaded > 0
     _assert_exact_and_smaller(want, got)
