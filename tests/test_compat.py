@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 import cpu_offload
 from cpu_offload import _compat
-from cpu_offload._compat import checkpoint_whole
+from cpu_offload._layer_call import run_layer_recomputed
 
 BELOW_2_11 = ["2.6.0", "2.9.1+cu126", "2.10.0", "2.10.0+cu128", "2.10.1"]
 FROM_2_11 = ["2.11.0", "2.11.0a0+git123", "2.11.0rc1", "2.13.0+cpu", "2.15.0", "3.0.0"]
@@ -189,6 +189,12 @@ def test_fake_and_functional_tensors_are_recognised() -> None:
     assert _compat.is_fake_or_functional(functional) is True
 
 
+def test_dynamo_skip_exists_on_this_release() -> None:
+    # torch.compile of offloaded models rests on it (cpu_offload._compile): a release of
+    # the matrix without it fails here rather than in a compiled model.
+    assert _compat.dynamo_skip("cpu_offload.engine") is True
+
+
 # ---- only the compat module looks at the PyTorch version ----------------------------
 
 _VERSION_LOOKS = re.compile(
@@ -259,7 +265,7 @@ def test_in_checkpoint_forward_inside_and_outside_checkpoints() -> None:
     }
 
 
-def test_checkpoint_whole_runs_the_function_to_its_end_in_backward() -> None:
+def test_run_layer_recomputed_runs_the_function_to_its_end_in_backward() -> None:
     x = torch.ones(3, requires_grad=True)
     ends: list[bool] = []
 
@@ -268,12 +274,14 @@ def test_checkpoint_whole_runs_the_function_to_its_end_in_backward() -> None:
         ends.append(True)  # after the last saved tensor
         return y + 1
 
-    checkpoint_whole(fn, x).sum().backward()
+    with _compat.checkpoint_early_stop_off():
+        y = run_layer_recomputed(fn, (x,), {})
+    y.sum().backward()
     assert len(ends) == 2  # the forward, and the whole recomputation
     assert torch.equal(x.grad, torch.ones(3).exp())
 
 
-def test_checkpoint_whole_gives_the_function_keywords_named_like_checkpoint_options() -> None:
+def test_run_layer_recomputed_gives_the_function_keywords_named_like_checkpoint_options() -> None:
     seen: list[object] = []
 
     def fn(t: torch.Tensor, debug: object = None, context_fn: object = None) -> torch.Tensor:
@@ -281,5 +289,7 @@ def test_checkpoint_whole_gives_the_function_keywords_named_like_checkpoint_opti
         return t.exp()  # saves its result: backward recomputes it
 
     x = torch.ones(2, requires_grad=True)
-    checkpoint_whole(fn, x, debug="mine", context_fn="also mine").sum().backward()
+    with _compat.checkpoint_early_stop_off():
+        y = run_layer_recomputed(fn, (x,), {"debug": "mine", "context_fn": "also mine"})
+    y.sum().backward()
     assert seen == [("mine", "also mine")] * 2

@@ -56,6 +56,18 @@ def test_huggingface_llama():
     assert EXACT in out.splitlines()
 
 
+def test_huggingface_trainer():
+    for needed in ("transformers", "accelerate"):
+        if importlib.util.find_spec(needed) is None:
+            pytest.skip(f"{needed} is not installed (pip install 'cpu-offload[hf]')")
+    out = _run("huggingface_trainer.py")
+    assert _bytes_moved(out) > 0
+    assert (
+        "training loss and trained parameters bit-identical to training without offloading"
+        in out.splitlines()
+    )
+
+
 def test_megatron_core_exits_cleanly_without_what_it_needs():
     # The tests run it without a GPU: it stops before building anything, and says why.
     if importlib.util.find_spec("megatron") is None:
@@ -73,5 +85,11 @@ def test_compare_my_model():
 
 
 def test_every_example_is_tested():
-    tested = {"plain_pytorch.py", "huggingface_llama.py", "megatron_core.py", "compare_my_model.py"}
+    tested = {
+        "plain_pytorch.py",
+        "huggingface_llama.py",
+        "huggingface_trainer.py",
+        "megatron_core.py",
+        "compare_my_model.py",
+    }
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested

@@ -302,6 +302,13 @@ def test_bad_output_type_is_a_clear_error_and_recovers(monkeypatch):
         layers[0](torch.randn(2, 8))
 
 
+def test_num_offloaded_range_under_v1(monkeypatch):
+    monkeypatch.setenv("NVTE_CPU_OFFLOAD_V1", "1")
+    with pytest.raises(ValueError, match=r"num_offloaded must be in \[0, 4\] .* V1"):
+        offload_layers(_sequential(4), 5)
+    offload_layers(_sequential(4), 4, transport=HostTransport()).remove()  # all 4 is allowed
+
+
 def test_errors_name_the_argument(monkeypatch):
     monkeypatch.delenv("NVTE_CPU_OFFLOAD_V1", raising=False)
     model = _sequential(4)
@@ -313,10 +320,10 @@ def test_errors_name_the_argument(monkeypatch):
         offload_layers(model, offloaded=[4])
     with pytest.raises(TypeError, match="recomputed must hold ints"):
         offload_layers(model, recomputed=["0"])
-    with pytest.raises(ValueError, match="num_offloaded must be in"):
-        offload_layers(model, 5)
-    with pytest.raises(ValueError, match="at least one layer"):
-        offload_layers(model, 4)
+    # The range is the backend's: 5 of 4 once said "[0, 4]", and then 4 was refused too.
+    for k in (5, 4):
+        with pytest.raises(ValueError, match=r"num_offloaded must be in \[0, 3\] .* V2"):
+            offload_layers(model, k)
     with pytest.raises(ValueError, match="nothing to do"):
         offload_layers(model)
     with pytest.raises(TypeError, match="sets model_layers, num_layers itself"):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import io
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -229,7 +230,13 @@ def test_optimizer_uses_the_split() -> None:
 
 def test_real_use_never_offloads_cpu_params() -> None:
     model, ref = _model(), _model()
-    opt = HybridDeviceOptimizer(model.parameters(), offload_fraction=1.0, **ADAMW)
+    # It says so once, naming why and what to do (it once said nothing).
+    with pytest.warns(UserWarning, match="offload_fraction=1.0 offloads nothing") as record:
+        opt = HybridDeviceOptimizer(model.parameters(), offload_fraction=1.0, **ADAMW)
+    assert len(record) == 1
+    message = str(record[0].message)
+    assert "none of the 4 parameters is a device parameter (they are on cpu)" in message
+    assert "model.cuda()" in message and "is_device_param=lambda p: True" in message
     assert opt.offload_mask == [False] * 4
     # Host parameters are stepped in place by the host optimizer.
     stepped = [p for sub in opt.sub_optimizers for g in sub.param_groups for p in g["params"]]
@@ -237,6 +244,16 @@ def test_real_use_never_offloads_cpu_params() -> None:
     _train(model, opt, 3)
     _train(ref, torch.optim.AdamW(ref.parameters(), **ADAMW), 3)
     assert _same(model, ref)
+
+
+def test_no_warning_when_something_can_move_or_nothing_is_asked() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        HybridDeviceOptimizer(_model().parameters(), offload_fraction=0.0, **ADAMW)
+        _CpuAsDevice(list(_model().parameters()), offload_fraction=0.5, **ADAMW)
+        HybridDeviceOptimizer(
+            _model().parameters(), offload_fraction=0.5, is_device_param=lambda p: True, **ADAMW
+        )
 
 
 # ---------------------------------------------------------------------- numerics

@@ -260,7 +260,7 @@ def test_option_is_checked_and_off_by_default() -> None:
         HybridDeviceOptimizer(model.parameters(), overlap_host_step_with_forward="yes")
     with pytest.raises(TypeError, match="offload_last_layers"):
         HybridDeviceOptimizer(model.parameters(), offload_last_layers=1)
-    opt = HybridDeviceOptimizer(model.parameters())
+    opt = HybridDeviceOptimizer(model.parameters(), offload_fraction=0.0)
     assert opt.overlap_host_step_with_forward is False and opt.offload_last_layers is False
 
 
@@ -270,7 +270,9 @@ def test_dropped_optimizer_removes_its_global_hook() -> None:
     hooks = torch.nn.modules.module._global_forward_pre_hooks
     gc.collect()
     opt = HybridDeviceOptimizer(
-        torch.nn.Linear(4, 4).parameters(), overlap_host_step_with_forward=True
+        torch.nn.Linear(4, 4).parameters(),
+        offload_fraction=0.0,
+        overlap_host_step_with_forward=True,
     )
     ours = [k for k, h in hooks.items() if getattr(h, "_owner", lambda: None)() is opt._overlap]
     assert len(ours) == 1

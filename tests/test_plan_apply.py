@@ -5,6 +5,7 @@ CPU stand-in: the layers run on the CPU, offloaded tensors go through ``HostTran
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -105,6 +106,21 @@ def test_apply_is_bit_identical(letters: str) -> None:
     handle.remove()
     _assert_equal(got, want)
     assert (transport.bytes_offloaded > 0) == ("O" in letters)
+
+
+def test_a_plan_offloading_n_minus_1_layers_applies_without_a_warning() -> None:
+    # OOOK once warned "num_layers=3 = model_layers - 1 ...: use num_layers <= 2", advice
+    # that contradicts the plan, whose estimate already charges compute waiting for copies.
+    from cpu_offload.plan.compare import plan_variant
+
+    plan = Plan((Choice.OFFLOAD,) * (LAYERS - 1) + (Choice.KEEP,), 1, 0.0, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        apply_plan(_encoder(), plan, transport=HostTransport(), min_tensor_size_to_offload=MIN)
+        plan_variant(plan)(LAYERS, 0, MIN, HostTransport)
+    # The same schedule asked for directly still warns.
+    with pytest.warns(UserWarning, match="num_layers=3 = model_layers - 1"):
+        offload_layers(_encoder(), LAYERS - 1, transport=HostTransport())
 
 
 def test_profile_plan_save_load_apply(tmp_path: Path) -> None:

@@ -156,6 +156,16 @@ def test_warning_only_at_n_minus_1(n):
         v2.get_cpu_offload_context(True, n - 2, n, transport=HostTransport())
 
 
+@pytest.mark.parametrize(("n", "advice"), [(2, "from model_layers=3 on"), (6, "num_layers <= 4")])
+def test_n_minus_1_warning_gives_advice_that_exists(n, advice):
+    # With two layers it once advised "use num_layers <= 0 for overlap": offloading nothing.
+    with pytest.warns(UserWarning) as record:
+        check_layer_counts(n - 1, n)
+    message = str(record[0].message)
+    assert advice in message
+    assert "<= 0" not in message
+
+
 def test_no_warning_for_one_layer_model():
     with warnings.catch_warnings():
         warnings.simplefilter("error")

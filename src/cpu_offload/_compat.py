@@ -8,10 +8,10 @@ among them) so that tests can check it for every release of the nox matrix.
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import inspect
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
@@ -23,7 +23,9 @@ __all__ = [
     "TORCH_VERSION",
     "TORCH_VERSION_STRING",
     "capture_buffer_policy",
-    "checkpoint_whole",
+    "CHECKPOINT_EARLY_STOP_KWARG",
+    "checkpoint_early_stop_off",
+    "dynamo_skip",
     "fused_optimizer_supported",
     "in_backward",
     "in_checkpoint_forward",
@@ -159,6 +161,31 @@ def fused_optimizer_supported(device_type: str, version: Version | str | None = 
     return False
 
 
+def dynamo_skip(module: str) -> bool:
+    """Have TorchDynamo treat ``module`` (a module or package) as PyTorch's own internals.
+
+    Dynamo then neither traces into it (a call from compiled code is a graph break, and
+    the function runs as plain Python) nor compiles its functions when they are called
+    from compiled code (a saved-tensor hook), while what they call outside it is compiled
+    as usual. This is ``torch._dynamo.trace_rules.add``, which every supported release
+    has (``tests/test_compat.py`` checks it on each release of the matrix); it imports
+    ``torch._dynamo`` (about a second, once per process).
+
+    Args:
+        module: A dotted module name, ``"cpu_offload.engine"``.
+
+    Returns:
+        False if this PyTorch has no such function (nothing was done), True otherwise.
+    """
+    from torch._dynamo import trace_rules
+
+    add = getattr(trace_rules, "add", None)
+    if add is None:  # pragma: no cover - every supported release has it
+        return False
+    add(module)
+    return True
+
+
 def is_fake_or_functional(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a fake or functional tensor (no real storage to copy)."""
     if torch._is_functional_tensor(tensor):
@@ -196,41 +223,29 @@ def in_backward() -> bool:
 
 
 #: Whether ``torch.utils.checkpoint.checkpoint`` takes ``early_stop`` (PyTorch 2.9 on);
-#: before, only the ``set_checkpoint_early_stop`` context manager sets it.
-_EARLY_STOP_KWARG = "early_stop" in inspect.signature(torch_checkpoint.checkpoint).parameters
+#: before, only the process-wide ``set_checkpoint_early_stop`` context manager sets it.
+CHECKPOINT_EARLY_STOP_KWARG = (
+    "early_stop" in inspect.signature(torch_checkpoint.checkpoint).parameters
+)
 
 
-def checkpoint_whole(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` whose recomputation
-    runs ``function`` to its end.
+def checkpoint_early_stop_off() -> contextlib.AbstractContextManager[None]:
+    """Where ``checkpoint`` has no ``early_stop`` argument (before PyTorch 2.9), the
+    process-wide switch that turns early stop off for the checkpoints started inside;
+    elsewhere nothing (:func:`cpu_offload._layer_call.run_layer_recomputed` passes the
+    argument).
 
-    See NOTE [Recomputation runs the whole layer] in :mod:`cpu_offload.layers`: the
-    default early stop ends the recomputation at the last saved tensor, so a layer
-    that clears state it keeps on itself after that point never clears it.
-
-    Args:
-        function: What to run (a layer's forward).
-        *args: Its positional arguments.
-        **kwargs: Its keyword arguments.
-
-    Returns:
-        What ``function`` returns.
+    Entered by the engine around a recomputed layer's call, outside the frame
+    ``torch.compile`` traces: a checkpoint another thread starts meanwhile runs without
+    early stop too, which only costs it time.
 
     Example:
-        >>> x = torch.ones(2, requires_grad=True)
-        >>> checkpoint_whole(torch.mul, x, 3.0).sum().backward()
-        >>> x.grad
-        tensor([3., 3.])
+        >>> with checkpoint_early_stop_off():
+        ...     pass
     """
-    # The keyword arguments are bound first: checkpoint() keeps those named like its own
-    # options (debug, context_fn, ...) for itself.
-    call = functools.partial(function, **kwargs) if kwargs else function
-    if _EARLY_STOP_KWARG:
-        return torch_checkpoint.checkpoint(call, *args, use_reentrant=False, early_stop=False)
-    # Before PyTorch 2.9 the setting is a process-wide switch: a checkpoint another
-    # thread starts meanwhile runs without early stop too (which only costs it time).
-    with torch_checkpoint.set_checkpoint_early_stop(False):
-        return torch_checkpoint.checkpoint(call, *args, use_reentrant=False)
+    if CHECKPOINT_EARLY_STOP_KWARG:
+        return contextlib.nullcontext()
+    return torch_checkpoint.set_checkpoint_early_stop(False)
 
 
 def in_checkpoint_forward() -> bool:

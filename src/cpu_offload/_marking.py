@@ -19,6 +19,10 @@ class MarkOutputs(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
+        if torch.compiler.is_compiling():
+            # Traced by torch.compile (this module is left traceable for it): what a
+            # compiled graph computes is made at run time and carries no mark.
+            return out
         if isinstance(out, torch.Tensor):
             mark_activation_offload(out)
         elif isinstance(out, (tuple, list)):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import sys
 import warnings
 from collections.abc import Callable, Iterable
@@ -20,7 +21,9 @@ import torch
 from torch import nn
 
 from ._args import check_int
-from ._compat import checkpoint_whole, in_backward, in_checkpoint_forward
+from ._compat import checkpoint_early_stop_off, in_backward, in_checkpoint_forward
+from ._compile import keep_engine_out_of_compile
+from ._layer_call import run_layer, run_layer_recomputed
 from ._layer_stack import check_indices, find_layers, offload_schedule
 from ._layer_wrap import Patch, patch_layer, wrap_of
 from ._log import logger
@@ -126,6 +129,23 @@ class StepWatch(Protocol):
     def forward_ended(self, output: Any) -> None: ...
 
 
+def _unbound(
+    forward: Callable[..., Any], args: tuple[Any, ...]
+) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    """``forward`` and ``args`` as a plain function and its arguments, the module first.
+
+    For :mod:`cpu_offload._layer_call`, whose frame torch.compile compiles: it guards on
+    the identity of what it calls (PyTorch 2.6), and a bound method is an object per
+    layer, so each layer would compile again and layers past the recompile limit (8)
+    would run uncompiled. A class's function is one object for all its layers.
+    """
+    func = getattr(forward, "__func__", None)
+    owner = getattr(forward, "__self__", None)
+    if func is None or owner is None:
+        return forward, args
+    return func, (owner, *args)
+
+
 class _Runner:
     """Runs one layer's forward: recomputed, offloaded, or counted by the schedule."""
 
@@ -161,7 +181,7 @@ class _Runner:
             # Evaluation (nothing is saved for backward), or a recomputation inside
             # backward (a model's own activation checkpointing, whose activations are
             # used at once): the schedule must not count it.
-            return forward(*args, **kwargs)
+            return run_layer(*_unbound(forward, args), kwargs)
         kwargs = _without_cache(index, kwargs)
         watch = self.watch
         if watch is None:
@@ -181,12 +201,13 @@ class _Runner:
             # checkpoint the layer is recomputed already: a second one would only add
             # another recomputation.
 
-            def run() -> Any:
-                return checkpoint_whole(forward, *args, **kwargs)
-        else:
+            recompute = functools.partial(run_layer_recomputed, *_unbound(forward, args), kwargs)
 
             def run() -> Any:
-                return forward(*args, **kwargs)
+                with checkpoint_early_stop_off():
+                    return recompute()
+        else:
+            run = functools.partial(run_layer, *_unbound(forward, args), kwargs)
 
         if self.context is None:
             return run()
@@ -381,9 +402,13 @@ def _offloaded_set(
     if num_offloaded is None:
         return frozenset()
     check_int("num_offloaded", num_offloaded)
-    if not 0 <= num_offloaded <= n:
+    v1 = use_v1()
+    top = n if v1 else n - 1  # V2 keeps at least one layer's activations on the GPU
+    if not 0 <= num_offloaded <= top:
+        why = "V1 backend" if v1 else "V2 backend, which keeps one layer's activations on the GPU"
         raise ValueError(
-            f"num_offloaded must be in [0, {n}] for a stack of {n} layers, got {num_offloaded}"
+            f"num_offloaded must be in [0, {top}] for a stack of {n} layers under the "
+            f"{why}, got {num_offloaded}"
         )
     return frozenset(range(num_offloaded))
 
@@ -450,6 +475,7 @@ def layer_runner(
         ValueError: If the backend cannot offload the set (V1: only the first k; V2: not
             all of the layers).
     """
+    keep_engine_out_of_compile()  # see NOTE [torch.compile and the offload engine]
     v1 = use_v1()
     context = sync = None
     backend = None

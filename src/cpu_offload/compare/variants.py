@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from .. import v1, v2
-from .._compat import checkpoint_whole
+from .._compat import checkpoint_early_stop_off
+from .._layer_call import run_layer_recomputed
 from .._marking import MarkOutputs
 from ..engine.selection import is_marked_for_offload
 from ..engine.transport import Transport
@@ -193,7 +194,8 @@ class _Checkpoint(Variant):
 
     def call(self, index, forward, args, kwargs):  # type: ignore[no-untyped-def]
         if index < self.k:
-            return checkpoint_whole(forward, *args, **kwargs)
+            with checkpoint_early_stop_off():
+                return run_layer_recomputed(forward, args, kwargs)
         return forward(*args, **kwargs)
 
 

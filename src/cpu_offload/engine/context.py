@@ -28,6 +28,7 @@ from __future__ import annotations
 from types import TracebackType
 
 from .._compat import in_checkpoint_forward
+from .._compile import keep_engine_out_of_compile
 from .._log import logger
 from .active import ActiveHooks, ContextOwner
 
@@ -42,6 +43,7 @@ class OffloadContextBase:
     """
 
     def __init__(self) -> None:
+        keep_engine_out_of_compile()  # see NOTE [torch.compile and the offload engine]
         self.inside_context = False
         self._hooks: ActiveHooks | None = None
         self._owner = ContextOwner()

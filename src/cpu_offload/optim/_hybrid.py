@@ -59,7 +59,12 @@ from ._entries import (
 )
 from ._fingerprint import EarlyCopy, check_early_copies, fingerprint, keep_unchanged_early_copies
 from ._forward_overlap import ForwardOverlap
-from ._split import check_offload_fraction, compute_offload_split, is_device_tensor
+from ._split import (
+    check_offload_fraction,
+    compute_offload_split,
+    is_device_tensor,
+    warn_if_nothing_can_be_offloaded,
+)
 
 __all__ = ["KEYWORD_OPTIONS", "HybridDeviceOptimizer"]
 
@@ -197,9 +202,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     Example:
         >>> import torch
-        >>> model = torch.nn.Linear(4, 4)
-        >>> opt = HybridDeviceOptimizer(model.parameters(), offload_fraction=0.5, lr=1e-3)
-        >>> model(torch.randn(2, 4)).sum().backward()
+        >>> device = "cuda" if torch.cuda.is_available() else "cpu"
+        >>> model = torch.nn.Linear(4, 4, device=device)
+        >>> # Without a GPU, treat the CPU parameters as device ones (else nothing moves).
+        >>> cpu_stand_in = {} if device == "cuda" else {"is_device_param": lambda p: True}
+        >>> opt = HybridDeviceOptimizer(model.parameters(), offload_fraction=0.5, lr=1e-3,
+        ...                             **cpu_stand_in)
+        >>> model(torch.randn(2, 4, device=device)).sum().backward()
         >>> opt.step()
         >>> opt.zero_grad()
     """
@@ -287,6 +296,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._d2h_stream: torch.cuda.Stream | None = None
         self._h2d_stream: torch.cuda.Stream | None = None
         self._overlap = ForwardOverlap(None) if overlap_forward else None
+        warn_if_nothing_can_be_offloaded(
+            [p for g in self.param_groups for p in g["params"]], fraction, self.is_device_param
+        )
         self._build({})
 
     # ------------------------------------------------------------------ public API
@@ -381,7 +393,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
         Example:
             >>> model = torch.nn.Linear(4, 4)
-            >>> opt = HybridDeviceOptimizer(model.parameters(), lr=1e-3)
+            >>> opt = HybridDeviceOptimizer(model.parameters(), lr=1e-3, offload_fraction=0.0)
             >>> opt.synchronize()
         """
         if self._wait_for_host_step():

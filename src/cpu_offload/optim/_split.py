@@ -8,7 +8,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["check_offload_fraction", "compute_offload_split", "is_device_tensor"]
+from .._warn import warn_at_caller
+
+__all__ = [
+    "check_offload_fraction",
+    "compute_offload_split",
+    "is_device_tensor",
+    "warn_if_nothing_can_be_offloaded",
+]
 
 
 def is_device_tensor(tensor: torch.Tensor) -> bool:
@@ -21,6 +28,32 @@ def is_device_tensor(tensor: torch.Tensor) -> bool:
         True for CUDA (or other non-CPU) tensors, False for host tensors.
     """
     return tensor.device.type != "cpu"
+
+
+def warn_if_nothing_can_be_offloaded(
+    params: list[torch.Tensor], fraction: float, is_device: Callable[[torch.Tensor], bool]
+) -> None:
+    """Warn when ``fraction`` asks for offloading but no parameter is a device parameter.
+
+    Only device parameters are offloaded; host ones are stepped in place by the host
+    optimizer whatever the fraction. A model left on the CPU (no GPU, or a forgotten
+    ``model.cuda()``) would otherwise offload nothing without a word.
+
+    Args:
+        params: The optimizer's parameters.
+        fraction: The checked ``offload_fraction``.
+        is_device: The optimizer's ``is_device_param``.
+    """
+    if fraction == 0.0 or any(is_device(p) for p in params):
+        return
+    devices = sorted({str(p.device) for p in params})
+    warn_at_caller(
+        f"HybridDeviceOptimizer: offload_fraction={fraction} offloads nothing: none of the "
+        f"{len(params)} parameters is a device parameter (they are on {', '.join(devices)}), "
+        "and host parameters are stepped in place by the host optimizer. Move the model to "
+        "the GPU before making the optimizer (model.cuda()); to run the offloading logic "
+        "on CPU tensors (a test without a GPU), pass is_device_param=lambda p: True"
+    )
 
 
 def check_offload_fraction(offload_fraction: Any, name: str = "offload_fraction") -> float:

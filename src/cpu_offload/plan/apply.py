@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+import warnings
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from torch import nn
@@ -10,10 +12,11 @@ from torch import nn
 from .._args import check_bool
 from .._layer_stack import find_layers
 from ..layers import OffloadedLayers, offload_layers
+from ..v2.schedule import NoOverlapWarning
 from .budget import BudgetCheck, CudaPeak
 from .search import Plan
 
-__all__ = ["apply_plan", "check_plan_layers"]
+__all__ = ["apply_plan", "as_modelled", "check_plan_layers"]
 
 
 def check_plan_layers(plan: Plan, num_layers: int, name: str = "plan") -> None:
@@ -43,6 +46,20 @@ def check_plan_layers(plan: Plan, num_layers: int, name: str = "plan") -> None:
             f"{name}: the plan was made for {len(plan.choices)} layers, but the model has "
             f"{num_layers}: make a plan for this model"
         )
+
+
+@contextlib.contextmanager
+def as_modelled() -> Iterator[None]:
+    """Set up a plan's offloading without the warning about offloading ``n - 1`` layers.
+
+    That warning (:class:`cpu_offload.v2.schedule.NoOverlapWarning`) advises offloading
+    fewer layers so that copies overlap compute; a plan that offloads the first ``n - 1``
+    layers (``OOOK``) chose them for its memory budget with the waiting already in its
+    estimate, so the advice would contradict it.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NoOverlapWarning)
+        yield
 
 
 def apply_plan(
@@ -102,9 +119,10 @@ def apply_plan(
     layers = find_layers(model_or_layers)
     check_plan_layers(plan, len(layers))
     # offloaded=() (not None) so that a plan keeping every layer is a valid no-op.
-    handle = offload_layers(
-        layers, offloaded=plan.offloaded, recomputed=plan.recomputed, **context_kwargs
-    )
+    with as_modelled():
+        handle = offload_layers(
+            layers, offloaded=plan.offloaded, recomputed=plan.recomputed, **context_kwargs
+        )
     devices = {p.device for layer in layers for p in layer.parameters() if p.is_cuda}
     if check_budget and devices:
         device = min(devices, key=lambda d: d.index or 0)

@@ -8,7 +8,7 @@ from typing import Any
 from ..compare.variants import Variant
 from ..engine.transport import Transport
 from ..layers import layer_runner
-from .apply import check_plan_layers
+from .apply import as_modelled, check_plan_layers
 from .search import Plan
 
 __all__ = ["PlanVariant", "plan_variant"]
@@ -52,9 +52,10 @@ class PlanVariant(Variant):
         transport = self._transport() if plan.offloaded else None
         if transport is not None:
             kwargs["transport"] = transport
-        self.runner, _ = layer_runner(
-            num_layers, frozenset(plan.offloaded), frozenset(plan.recomputed), **kwargs
-        )
+        with as_modelled():
+            self.runner, _ = layer_runner(
+                num_layers, frozenset(plan.offloaded), frozenset(plan.recomputed), **kwargs
+            )
         if transport is None and self.runner.transport is not None:
             self.transports.append(self.runner.transport)
 

@@ -15,9 +15,23 @@ from dataclasses import dataclass
 from .._args import check_int
 from .._warn import warn_at_caller
 
-__all__ = ["Point", "Schedule", "default_synchronization_dict", "validate_synchronization_dict"]
+__all__ = [
+    "NoOverlapWarning",
+    "Point",
+    "Schedule",
+    "default_synchronization_dict",
+    "validate_synchronization_dict",
+]
 
 SyncDict = dict[int, tuple[bool, int, bool, int]]
+
+
+class NoOverlapWarning(UserWarning):
+    """The default schedule offloads ``model_layers - 1`` layers: compute waits for every copy.
+
+    Its own category, so that a caller who chose that schedule knowingly (a plan whose
+    estimate already charges the waiting) can leave it out by category.
+    """
 
 
 @dataclass(frozen=True, order=True)
@@ -146,10 +160,18 @@ def check_layer_counts(num_layers: object, model_layers: object) -> tuple[int, i
             f"got {k}: at least one layer's activations must stay on the GPU"
         )
     if n > 1 and k == n - 1:
+        # k = n-1: layer i's offload finishes at the forward of layer n-k+i = i+1.
+        better = (
+            f"num_layers <= {n - 2} leaves each copy at least one more layer's forward to "
+            "overlap with"
+            if n > 2
+            else "with two layers no schedule does better: copies overlap a whole layer's "
+            "forward from model_layers=3 on"
+        )
         warn_at_caller(
-            f"num_layers={k} = model_layers - 1 leaves one layer's activations on the GPU, "
-            "so copies cannot overlap compute (every layer waits for the previous one's "
-            f"offload); use num_layers <= {n - 2} for overlap",
-            UserWarning,
+            f"num_layers={k} = model_layers - 1: each offloaded layer's copies must finish "
+            "before the next layer's forward starts, so compute waits for them (they "
+            f"overlap only the rest of their own layer's forward); {better}",
+            NoOverlapWarning,
         )
     return k, n
