@@ -154,7 +154,8 @@ def test_recompute_only_needs_no_context(monkeypatch):
     want = _train(model, _batches(2, 32, 64), _square)
     with offload_layers(model, recomputed=[0, 1]) as handle:
         assert handle.context is None and handle.backend is None
-        assert "forward" in model[0].__dict__ and "forward" not in model[3].__dict__
+        # Every layer runs through the handle, which sees where each forward begins.
+        assert all("forward" in layer.__dict__ for layer in model)
         _assert_equal(_train(model, _batches(2, 32, 64), _square), want)
     assert not handle.active and "forward" not in model[0].__dict__
 

@@ -312,3 +312,68 @@ def test_a_copy_made_while_wrapped_keeps_nothing_of_the_original_alive(block) ->
     gc.collect()
     assert alive() is None
     twin(_input()).sum().backward()  # the copy runs as a plain model
+
+
+def test_a_filled_cache_is_the_models_input_and_is_not_dropped() -> None:
+    transformers = pytest.importorskip("transformers")
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+    model = _llama(checkpointing=False)
+
+    def prefix():  # type: ignore[no-untyped-def]
+        with torch.no_grad():
+            return model(input_ids=ids[:, :16], use_cache=True).past_key_values
+
+    want = model(input_ids=ids[:, 16:], past_key_values=prefix()).logits
+    with offload_layers(model, 2, min_tensor_size_to_offload=MIN):
+        cache = prefix()
+        got = model(input_ids=ids[:, 16:], past_key_values=cache).logits
+        assert cache.get_seq_length() == 32  # the layers extended it, as without offloading
+    assert torch.equal(got, want)
+    with offload_layers(model, recomputed=[1]):
+        with pytest.raises(ValueError, match="already holds positions, and the recomputed"):
+            model(input_ids=ids[:, 16:], past_key_values=prefix())
+    assert isinstance(cache, transformers.Cache)
+
+
+class RefusesSubclasses(CallCheckpointed):
+    def __init_subclass__(cls, **kwargs):  # type: ignore[no-untyped-def]
+        raise TypeError("RefusesSubclasses cannot be subclassed")
+
+
+def test_a_layer_that_cannot_be_wrapped_leaves_no_other_layer_wrapped() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(CallCheckpointed(), RefusesSubclasses(), CallCheckpointed())
+    with pytest.raises(TypeError, match="cannot be subclassed"):
+        offload_layers(model, 1, min_tensor_size_to_offload=MIN)
+    assert [type(layer) for layer in model] == [
+        CallCheckpointed,
+        RefusesSubclasses,
+        CallCheckpointed,
+    ]
+    offload_layers(model[::2], 1, min_tensor_size_to_offload=MIN).remove()  # wraps again
+
+
+class _Watch:
+    def forward_started(self) -> None: ...
+
+    def forward_ended(self, output: object) -> None: ...
+
+
+def test_watch_steps_and_reassign_are_refused_where_they_cannot_work() -> None:
+    class Reassigning(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            handle.reassign(recomputed=[2])
+            return x * 2
+
+    torch.manual_seed(0)
+    model = nn.Sequential(StatefulBlock(), Reassigning(), StatefulBlock())
+    handle = offload_layers(model, recomputed=[0])
+    with pytest.raises(TypeError, match="lacks forward_ended"):
+        handle.watch_steps(type("Half", (), {"forward_started": lambda self: None})())
+    with pytest.raises(RuntimeError, match="during a forward or a backward"):
+        model(_input())
+    assert handle.recomputed == (0,)
+    handle.remove()
+    for call in (lambda: handle.watch_steps(_Watch()), lambda: handle.reassign()):
+        with pytest.raises(RuntimeError, match="after remove\\(\\)"):
+            call()

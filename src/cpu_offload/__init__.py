@@ -19,7 +19,7 @@ from ._warn import warn_at_caller
 from .engine.active import is_cpu_offload_enabled, is_current_layer_offloaded
 from .engine.selection import mark_activation_offload, mark_not_offload
 from .engine.transport import CudaTransport, HostBufferPool, HostTransport, Transport
-from .layers import OffloadedLayers, offload_layers
+from .layers import OffloadedLayers, StepWatch, offload_layers
 from .pipeline import PipelineStageOffload, plan_pipeline_offload
 from .v2 import (
     DefaultOffloadSynchronizer,
@@ -42,6 +42,7 @@ __all__ = [
     "OffloadableLayerState",
     "OffloadedLayers",
     "PipelineStageOffload",
+    "StepWatch",
     "Transport",
     "__version__",
     "backend",

@@ -8,26 +8,19 @@ function, by replacing the ``forward`` of each layer instance (not of its class)
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import functools
-import sys
-import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any
 
-import torch
 from torch import nn
 
 from ._args import check_int
-from ._compat import checkpoint_early_stop_off, in_backward, in_checkpoint_forward
+from ._compat import in_backward
 from ._compile import keep_engine_out_of_compile
-from ._layer_call import run_layer, run_layer_recomputed
+from ._layer_runner import Runner, StepWatch, sync_first
 from ._layer_stack import check_indices, find_layers, offload_schedule
 from ._layer_wrap import Patch, patch_layer, wrap_of
 from ._log import logger
-from ._marking import MarkOutputs
 from ._switch import ENV_VAR, use_v1
 
 __all__ = ["OffloadedLayers", "StepWatch", "layer_runner", "offload_layers", "sync_first"]
@@ -40,223 +33,6 @@ _OWN_ARGUMENTS = (
     "manual_synchronization",
     "synchronization_dict",
 )
-
-
-def sync_first(out: Any, sync: Callable[[torch.Tensor], torch.Tensor], index: int) -> Any:
-    """Pass the hidden state in ``out`` through ``sync``: ``out`` itself, or its first element."""
-    if isinstance(out, torch.Tensor):
-        return sync(out)
-    if dataclasses.is_dataclass(out) and not isinstance(out, type):
-        # Hugging Face ModelOutput: the first field set is the hidden state (``out[0]``),
-        # and setting the attribute keeps its dict view in step.
-        for f in dataclasses.fields(out):
-            value = getattr(out, f.name)
-            if value is not None:
-                if isinstance(value, torch.Tensor):
-                    setattr(out, f.name, sync(value))
-                    return out
-                break
-    elif isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
-        first = sync(out[0])
-        if isinstance(out, list):
-            return [first, *out[1:]]
-        if hasattr(out, "_fields"):  # a namedtuple
-            return type(out)(first, *out[1:])
-        return (first, *out[1:])
-    raise TypeError(
-        f"offload_layers: layer {index} returned a {type(out).__name__}; a layer's output "
-        "must be a tensor, or a tuple, list or dataclass whose first element is the "
-        "hidden-state tensor passed to the next layer"
-    )
-
-
-# NOTE [Recomputation runs the whole layer]
-# Recomputed layers go through torch.utils.checkpoint.checkpoint(use_reentrant=False)
-# with early stop off. With early stop on (PyTorch's default), the recomputation in
-# backward ends as soon as the last saved tensor is saved again, and the rest of the
-# layer's forward never runs. A layer that keeps a tensor on itself in the middle of its
-# forward and clears it at the end (Megatron-Core's TransformerLayer keeps its MLP norm's
-# input until the end of the MLP) then keeps the recomputed tensor, and with it the
-# recomputed graph, until its next forward: each recomputed layer adds its saved bytes to
-# the next step's peak. Running the recomputation to its end costs the few operations
-# after the last saved tensor (the layer's final residual addition) and frees what the
-# recomputation promises.
-
-
-# NOTE [No KV cache in training forwards]
-# transformers' decoders make a KV cache in every forward whose config says use_cache,
-# training included, and pass it to each layer, which stores its keys and values in it.
-# The cache holds them until the model's output is dropped, after the forward: an
-# offloaded layer's keys and values are then copied to the host without their device
-# memory being freed, and a recomputed layer keeps them although its checkpoint means to
-# drop them. Worse, the recomputation in backward updates the cache a second time
-# (transformers' own gradient checkpointing drops the cache for that reason), doubling
-# the keys the recomputed attention runs over. So in forwards with grad enabled, the
-# layers offload_layers wraps get None where a transformers Cache was passed; evaluation
-# and generation (under no_grad) keep theirs.
-
-
-def _without_cache(index: int, kwargs: dict) -> dict:
-    """``kwargs`` with each transformers ``Cache`` replaced by None (see the NOTE above)."""
-    cache_utils = sys.modules.get("transformers.cache_utils")
-    cache_type = getattr(cache_utils, "Cache", None)
-    if cache_type is None:
-        return kwargs
-    found = [name for name, value in kwargs.items() if isinstance(value, cache_type)]
-    if not found:
-        return kwargs
-    if index == 0:
-        warnings.warn(
-            f"offload_layers: the transformers cache passed as {', '.join(found)} is not given "
-            "to the wrapped layers in forwards with grad enabled: it would keep every layer's "
-            "keys and values on the device, and a recomputation would update it twice. Pass "
-            "use_cache=False to the model in training to leave it out yourself",
-            stacklevel=4,
-        )
-    return {**kwargs, **dict.fromkeys(found, None)}
-
-
-class StepWatch(Protocol):
-    """What :meth:`OffloadedLayers.watch_steps` calls on each training forward.
-
-    ``forward_started()`` runs before the first layer of a forward with grad enabled (it
-    may call :meth:`OffloadedLayers.reassign`, or raise to stop the step);
-    ``forward_ended(output)`` runs after the last layer, with its output.
-    """
-
-    def forward_started(self) -> None: ...
-
-    def forward_ended(self, output: Any) -> None: ...
-
-
-def _unbound(
-    forward: Callable[..., Any], args: tuple[Any, ...]
-) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-    """``forward`` and ``args`` as a plain function and its arguments, the module first.
-
-    For :mod:`cpu_offload._layer_call`, whose frame torch.compile compiles: it guards on
-    the identity of what it calls (PyTorch 2.6), and a bound method is an object per
-    layer, so each layer would compile again and layers past the recompile limit (8)
-    would run uncompiled. A class's function is one object for all its layers.
-    """
-    func = getattr(forward, "__func__", None)
-    owner = getattr(forward, "__self__", None)
-    if func is None or owner is None:
-        return forward, args
-    return func, (owner, *args)
-
-
-class _Runner:
-    """Runs one layer's forward: recomputed, offloaded, or counted by the schedule."""
-
-    def __init__(
-        self,
-        context: Any,
-        sync: Callable[[torch.Tensor], torch.Tensor] | None,
-        offloaded: frozenset[int],
-        recomputed: frozenset[int],
-        num_layers: int,
-        mark_outputs: bool,
-    ) -> None:
-        self.context = context
-        self.sync = sync
-        self.offloaded = offloaded
-        self.recomputed = recomputed
-        self.num_layers = num_layers
-        self.mark_outputs = mark_outputs
-        self.last_index: int | None = None
-        self.watch: StepWatch | None = None
-
-    def take(self, other: _Runner) -> None:
-        """Run as ``other`` does from the next forward on (another set of layers)."""
-        self.context, self.sync = other.context, other.sync
-        self.offloaded, self.recomputed = other.offloaded, other.recomputed
-        self.mark_outputs = other.mark_outputs
-        self.last_index = None
-
-    def __call__(
-        self, index: int, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict
-    ) -> Any:
-        if not torch.is_grad_enabled() or in_backward():
-            # Evaluation (nothing is saved for backward), or a recomputation inside
-            # backward (a model's own activation checkpointing, whose activations are
-            # used at once): the schedule must not count it.
-            return run_layer(*_unbound(forward, args), kwargs)
-        kwargs = _without_cache(index, kwargs)
-        watch = self.watch
-        if watch is None:
-            return self._run(index, forward, args, kwargs)
-        if index == 0:
-            watch.forward_started()
-        out = self._run(index, forward, args, kwargs)
-        if index == self.num_layers - 1:
-            watch.forward_ended(out)
-        return out
-
-    def _run(
-        self, index: int, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict
-    ) -> Any:
-        if index in self.recomputed and not in_checkpoint_forward():
-            # See NOTE [Recomputation runs the whole layer]. Inside the model's own
-            # checkpoint the layer is recomputed already: a second one would only add
-            # another recomputation.
-
-            recompute = functools.partial(run_layer_recomputed, *_unbound(forward, args), kwargs)
-
-            def run() -> Any:
-                with checkpoint_early_stop_off():
-                    return recompute()
-        else:
-            run = functools.partial(run_layer, *_unbound(forward, args), kwargs)
-
-        if self.context is None:
-            return run()
-        if index == 0 and self.last_index not in (None, self.num_layers - 1):
-            # The previous forward stopped between layers (an exception outside a layer):
-            # start the iteration afresh instead of counting on from where it stopped.
-            self.context._restart_iteration()
-        elif index != 0 and self.last_index != index - 1:
-            self._refuse_order(index)
-        self.last_index = None
-        mark = MarkOutputs() if self.mark_outputs and index in self.offloaded else None
-        with self.context, mark or contextlib.nullcontext():
-            out = run()
-        assert self.sync is not None
-        try:
-            out = sync_first(out, self.sync, index)
-        except TypeError:
-            self.context._restart_iteration()
-            raise
-        self.last_index = index
-        return out
-
-    @property
-    def transport(self) -> Any:
-        """The transport of the offload context (None when no layer is offloaded)."""
-        if self.context is None:
-            return None
-        synchronizer = getattr(self.context, "offload_synchronizer", None)
-        if synchronizer is not None:  # V2
-            return synchronizer.transport
-        return getattr(self.context.offload_handler, "transport", None)  # V1
-
-    def _refuse_order(self, index: int) -> None:
-        last = self.last_index
-        if last is None:
-            cause = f"the forward began at layer {index}, not at layer 0"
-        elif index == last:
-            cause = f"layer {index} ran twice in a row"
-        elif index < last:
-            cause = f"layer {index} ran again after layer {last} in the same forward"
-        else:
-            skipped = ", ".join(str(i) for i in range(last + 1, index))
-            cause = f"layer(s) {skipped} did not run between layers {last} and {index}"
-        self.context._restart_iteration()
-        raise RuntimeError(
-            f"offload_layers: {cause}. The offload schedule counts each layer once per "
-            "forward, in order: run every wrapped layer once per forward (no layer drop, "
-            "no reuse of a layer), or wrap only the layers that run that way"
-        )
 
 
 class OffloadedLayers:
@@ -277,7 +53,7 @@ class OffloadedLayers:
     def __init__(
         self,
         layers: list[nn.Module],
-        runner: _Runner,
+        runner: Runner,
         backend: str | None,
         context_kwargs: dict[str, Any],
     ) -> None:
@@ -287,6 +63,7 @@ class OffloadedLayers:
         self._context_kwargs = context_kwargs
         self._describe(backend)
         self._installed: dict[int, Patch] = {}
+        self._removed = False
 
     def _describe(self, backend: str | None) -> None:
         runner = self._runner
@@ -296,13 +73,36 @@ class OffloadedLayers:
         self.context = runner.context
         self.sync = runner.sync
 
-    def _install(self, every_layer: bool = False) -> None:
+    def _install(self) -> None:
+        """Wrap every layer, once any is offloaded or recomputed or the steps are watched:
+        the runner counts each layer for the schedule and sees where a forward begins."""
         runner = self._runner
-        counted = runner.context is not None  # every layer counts in the schedule
-        for index, layer in enumerate(self.layers):
-            wanted = every_layer or counted or index in runner.recomputed
-            if wanted and index not in self._installed:
-                self._installed[index] = patch_layer(layer, runner, index)
+        if runner.context is None and not runner.recomputed and runner.watch is None:
+            return  # every layer kept: nothing to run through the handle
+        added: list[int] = []
+        try:
+            for index, layer in enumerate(self.layers):
+                if index not in self._installed:
+                    self._installed[index] = patch_layer(layer, runner, index)
+                    added.append(index)
+        except BaseException:
+            # A layer that cannot be wrapped (a class that refuses a subclass, say) leaves
+            # no other layer wrapped behind it.
+            for index in added:
+                self._installed.pop(index).undo()
+            raise
+
+    def _check_usable(self, method: str) -> None:
+        if self._removed:
+            raise RuntimeError(
+                f"offload_layers: {method}() after remove(); wrap the layers again with "
+                "offload_layers"
+            )
+        if self._runner.depth or in_backward():
+            raise RuntimeError(
+                f"offload_layers: {method}() during a forward or a backward; call it between "
+                "training steps"
+            )
 
     def reassign(self, *, offloaded: Iterable[int] = (), recomputed: Iterable[int] = ()) -> None:
         """Offload and recompute other layers, from the next forward on.
@@ -316,18 +116,17 @@ class OffloadedLayers:
             recomputed: Layer indices to recompute; none of them offloaded.
 
         Raises:
-            RuntimeError: If the layers are no longer wrapped (after :meth:`remove`).
+            RuntimeError: After :meth:`remove`, or during a forward or a backward.
             ValueError: As :func:`offload_layers` for the same indices.
         """
-        if not self.active:
-            raise RuntimeError("offload_layers: reassign() after remove(); wrap the layers again")
+        self._check_usable("reassign")
         offloaded_set, recomputed_set = _checked_sets(None, offloaded, recomputed, self.num_layers)
         runner, backend = layer_runner(
             self.num_layers, offloaded_set, recomputed_set, **self._context_kwargs
         )
         self._runner.take(runner)
         self._describe(backend)
-        self._install(every_layer=self._runner.watch is not None)
+        self._install()
         logger.debug("offload_layers: reassigned to %r", self)
 
     @property
@@ -343,9 +142,25 @@ class OffloadedLayers:
 
         Args:
             watch: The :class:`StepWatch` (``apply_plan``'s budget check, say).
+
+        Raises:
+            TypeError: If ``watch`` lacks a callable ``forward_started`` or
+                ``forward_ended``.
+            RuntimeError: After :meth:`remove`, or during a forward or a backward.
         """
+        missing = [
+            name
+            for name in ("forward_started", "forward_ended")
+            if not callable(getattr(watch, name, None))
+        ]
+        if missing:
+            raise TypeError(
+                f"watch must have callable forward_started() and forward_ended(output); "
+                f"{type(watch).__name__} lacks {', '.join(missing)}"
+            )
+        self._check_usable("watch_steps")
         self._runner.watch = watch
-        self._install(every_layer=True)
+        self._install()
 
     @property
     def active(self) -> bool:
@@ -368,6 +183,7 @@ class OffloadedLayers:
             patch.undo()
         self._installed.clear()
         self._runner.watch = None
+        self._removed = True
         logger.debug("offload_layers: removed from %d layers", self.num_layers)
 
     def __enter__(self) -> OffloadedLayers:
@@ -463,7 +279,7 @@ def layer_runner(
     offloaded: frozenset[int],
     recomputed: frozenset[int],
     **context_kwargs: Any,
-) -> tuple[_Runner, str | None]:
+) -> tuple[Runner, str | None]:
     """What runs each layer of :func:`offload_layers`, and its backend (None: none offloaded).
 
     The runner is called as ``runner(index, forward, args, kwargs)``; anything that
@@ -482,7 +298,7 @@ def layer_runner(
     if offloaded:
         context, sync = _make_context(offloaded, num_layers, v1, context_kwargs)
         backend = "v1" if v1 else "v2"
-    runner = _Runner(context, sync, offloaded, recomputed, num_layers, mark_outputs=v1)
+    runner = Runner(context, sync, offloaded, recomputed, num_layers, mark_outputs=v1)
     return runner, backend
 
 
@@ -542,7 +358,7 @@ def offload_layers(
             backend cannot offload the set (V1: only the first k; V2: not all of them).
 
     Example:
-        >>> import cpu_offload
+        >>> import torch, cpu_offload
         >>> model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)])
         >>> handle = cpu_offload.offload_layers(model, num_offloaded=2,
         ...                                     min_tensor_size_to_offload=1024)

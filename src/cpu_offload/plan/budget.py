@@ -149,8 +149,11 @@ class BudgetCheck:
             self.done = True
             raise error
         if self._pending is not None:
+            from .apply import as_modelled  # apply imports this module
+
             plan, self._pending = self._pending, None
-            self.handle.reassign(offloaded=plan.offloaded, recomputed=plan.recomputed)
+            with as_modelled():
+                self.handle.reassign(offloaded=plan.offloaded, recomputed=plan.recomputed)
             self.plan = plan
         if self.done:
             return

@@ -1,0 +1,268 @@
+"""What runs each layer :func:`cpu_offload.offload_layers` wraps: recomputed, offloaded,
+or counted by the schedule, and what it tells a :class:`StepWatch`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import sys
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from ._compat import checkpoint_early_stop_off, in_backward, in_checkpoint_forward
+from ._layer_call import run_layer, run_layer_recomputed
+from ._marking import MarkOutputs
+from ._warn import warn_at_caller
+
+__all__ = ["Runner", "StepWatch", "sync_first"]
+
+
+def sync_first(out: Any, sync: Callable[[torch.Tensor], torch.Tensor], index: int) -> Any:
+    """Pass the hidden state in ``out`` through ``sync``: ``out`` itself, or its first element."""
+    if isinstance(out, torch.Tensor):
+        return sync(out)
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        # Hugging Face ModelOutput: the first field set is the hidden state (``out[0]``),
+        # and setting the attribute keeps its dict view in step.
+        for f in dataclasses.fields(out):
+            value = getattr(out, f.name)
+            if value is not None:
+                if isinstance(value, torch.Tensor):
+                    setattr(out, f.name, sync(value))
+                    return out
+                break
+    elif isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        first = sync(out[0])
+        if isinstance(out, list):
+            return [first, *out[1:]]
+        if hasattr(out, "_fields"):  # a namedtuple
+            return type(out)(first, *out[1:])
+        return (first, *out[1:])
+    raise TypeError(
+        f"offload_layers: layer {index} returned a {type(out).__name__}; a layer's output "
+        "must be a tensor, or a tuple, list or dataclass whose first element is the "
+        "hidden-state tensor passed to the next layer"
+    )
+
+
+# NOTE [Recomputation runs the whole layer]
+# Recomputed layers go through torch.utils.checkpoint.checkpoint(use_reentrant=False)
+# with early stop off. With early stop on (PyTorch's default), the recomputation in
+# backward ends as soon as the last saved tensor is saved again, and the rest of the
+# layer's forward never runs. A layer that keeps a tensor on itself in the middle of its
+# forward and clears it at the end (Megatron-Core's TransformerLayer keeps its MLP norm's
+# input until the end of the MLP) then keeps the recomputed tensor, and with it the
+# recomputed graph, until its next forward: each recomputed layer adds its saved bytes to
+# the next step's peak. Running the recomputation to its end costs the few operations
+# after the last saved tensor (the layer's final residual addition) and frees what the
+# recomputation promises.
+
+
+# NOTE [No KV cache in training forwards]
+# transformers' decoders make a KV cache in every forward whose config says use_cache,
+# training included, and pass it to each layer, which stores its keys and values in it.
+# The cache holds them until the model's output is dropped, after the forward: an
+# offloaded layer's keys and values are then copied to the host without their device
+# memory being freed, and a recomputed layer keeps them although its checkpoint means to
+# drop them. Worse, the recomputation in backward updates the cache a second time
+# (transformers' own gradient checkpointing drops the cache for that reason), doubling
+# the keys the recomputed attention runs over. So in a forward with grad enabled whose
+# first layer is given an empty cache (one the model made itself), the wrapped layers
+# get None in its place. A cache that already holds positions (a prefix the caller
+# passed) is the model's input: it is passed on unchanged, unless a layer is recomputed,
+# which is refused (the recomputation would update it a second time). Evaluation and
+# generation, under no_grad, keep their cache.
+
+
+def _caches(kwargs: dict) -> list[str]:
+    """The names of the keyword arguments that are transformers caches."""
+    cache_type = getattr(sys.modules.get("transformers.cache_utils"), "Cache", None)
+    if cache_type is None:
+        return []
+    return [name for name, value in kwargs.items() if isinstance(value, cache_type)]
+
+
+class StepWatch(Protocol):
+    """What :meth:`OffloadedLayers.watch_steps` calls on each training forward.
+
+    ``forward_started()`` runs before the first layer of a forward with grad enabled (it
+    may call :meth:`OffloadedLayers.reassign`, or raise to stop the step);
+    ``forward_ended(output)`` runs after the last layer, with its output.
+    """
+
+    def forward_started(self) -> None: ...
+
+    def forward_ended(self, output: Any) -> None: ...
+
+
+def _unbound(
+    forward: Callable[..., Any], args: tuple[Any, ...]
+) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    """``forward`` and ``args`` as a plain function and its arguments, the module first.
+
+    For :mod:`cpu_offload._layer_call`, whose frame torch.compile compiles: it guards on
+    the identity of what it calls (PyTorch 2.6), and a bound method is an object per
+    layer, so each layer would compile again and layers past the recompile limit (8)
+    would run uncompiled. A class's function is one object for all its layers.
+    """
+    func = getattr(forward, "__func__", None)
+    owner = getattr(forward, "__self__", None)
+    if func is None or owner is None:
+        return forward, args
+    return func, (owner, *args)
+
+
+class Runner:
+    """Runs one layer's forward: recomputed, offloaded, or counted by the schedule.
+
+    Called as ``runner(index, forward, args, kwargs)`` by whatever replaces the layers'
+    forward (:func:`cpu_offload.offload_layers`, the variants of ``compare``).
+    """
+
+    def __init__(
+        self,
+        context: Any,
+        sync: Callable[[torch.Tensor], torch.Tensor] | None,
+        offloaded: frozenset[int],
+        recomputed: frozenset[int],
+        num_layers: int,
+        mark_outputs: bool,
+    ) -> None:
+        self.context = context
+        self.sync = sync
+        self.offloaded = offloaded
+        self.recomputed = recomputed
+        self.num_layers = num_layers
+        self.mark_outputs = mark_outputs
+        self.last_index: int | None = None
+        self.watch: StepWatch | None = None
+        #: Inside a wrapped layer's forward (reassigning the layers is refused there).
+        self.depth = 0
+        # This forward's caches to leave out (NOTE [No KV cache in training forwards]).
+        self._dropped: list[str] = []
+        self._warned_cache = False
+
+    def take(self, other: Runner) -> None:
+        """Run as ``other`` does from the next forward on (another set of layers)."""
+        self.context, self.sync = other.context, other.sync
+        self.offloaded, self.recomputed = other.offloaded, other.recomputed
+        self.mark_outputs = other.mark_outputs
+        self.last_index = None
+        self._warned_cache = False
+
+    def __call__(
+        self, index: int, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict
+    ) -> Any:
+        if not torch.is_grad_enabled() or in_backward():
+            # Evaluation (nothing is saved for backward), or a recomputation inside
+            # backward (a model's own activation checkpointing, whose activations are
+            # used at once): the schedule must not count it.
+            return run_layer(*_unbound(forward, args), kwargs)
+        watch = self.watch
+        if index == 0:
+            if watch is not None:
+                watch.forward_started()
+            self._dropped = self._caches_to_drop(kwargs)
+        if self._dropped:
+            kwargs = {**kwargs, **dict.fromkeys(self._dropped, None)}
+        self.depth += 1
+        try:
+            out = self._run(index, forward, args, kwargs)
+        finally:
+            self.depth -= 1
+        if watch is not None and index == self.num_layers - 1:
+            watch.forward_ended(out)
+        return out
+
+    def _caches_to_drop(self, kwargs: dict) -> list[str]:
+        """At a forward's first layer: which caches to leave out of this forward."""
+        names = _caches(kwargs)
+        filled = [name for name in names if kwargs[name].get_seq_length() > 0]
+        if filled and self.recomputed:
+            raise ValueError(
+                f"offload_layers: the transformers cache passed as {', '.join(filled)} "
+                "already holds positions, and the recomputed layers "
+                f"{sorted(self.recomputed)} would update it a second time in backward: "
+                "recompute no layer in a forward given a filled cache, or pass none"
+            )
+        if filled or not names:
+            return []
+        if not self._warned_cache:
+            self._warned_cache = True
+            warn_at_caller(
+                f"offload_layers: the transformers cache passed as {', '.join(names)} is not "
+                "given to the wrapped layers in forwards with grad enabled: it would keep "
+                "every layer's keys and values on the device, and a recomputation would "
+                "update it twice. Pass use_cache=False to the model in training to leave "
+                "it out yourself"
+            )
+        return names
+
+    def _run(
+        self, index: int, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict
+    ) -> Any:
+        if index in self.recomputed and not in_checkpoint_forward():
+            # See NOTE [Recomputation runs the whole layer]. Inside the model's own
+            # checkpoint the layer is recomputed already: a second one would only add
+            # another recomputation.
+
+            recompute = functools.partial(run_layer_recomputed, *_unbound(forward, args), kwargs)
+
+            def run() -> Any:
+                with checkpoint_early_stop_off():
+                    return recompute()
+        else:
+            run = functools.partial(run_layer, *_unbound(forward, args), kwargs)
+
+        if self.context is None:
+            return run()
+        if index == 0 and self.last_index not in (None, self.num_layers - 1):
+            # The previous forward stopped between layers (an exception outside a layer):
+            # start the iteration afresh instead of counting on from where it stopped.
+            self.context._restart_iteration()
+        elif index != 0 and self.last_index != index - 1:
+            self._refuse_order(index)
+        self.last_index = None
+        mark = MarkOutputs() if self.mark_outputs and index in self.offloaded else None
+        with self.context, mark or contextlib.nullcontext():
+            out = run()
+        assert self.sync is not None
+        try:
+            out = sync_first(out, self.sync, index)
+        except TypeError:
+            self.context._restart_iteration()
+            raise
+        self.last_index = index
+        return out
+
+    @property
+    def transport(self) -> Any:
+        """The transport of the offload context (None when no layer is offloaded)."""
+        if self.context is None:
+            return None
+        synchronizer = getattr(self.context, "offload_synchronizer", None)
+        if synchronizer is not None:  # V2
+            return synchronizer.transport
+        return getattr(self.context.offload_handler, "transport", None)  # V1
+
+    def _refuse_order(self, index: int) -> None:
+        last = self.last_index
+        if last is None:
+            cause = f"the forward began at layer {index}, not at layer 0"
+        elif index == last:
+            cause = f"layer {index} ran twice in a row"
+        elif index < last:
+            cause = f"layer {index} ran again after layer {last} in the same forward"
+        else:
+            skipped = ", ".join(str(i) for i in range(last + 1, index))
+            cause = f"layer(s) {skipped} did not run between layers {last} and {index}"
+        self.context._restart_iteration()
+        raise RuntimeError(
+            f"offload_layers: {cause}. The offload schedule counts each layer once per "
+            "forward, in order: run every wrapped layer once per forward (no layer drop, "
+            "no reuse of a layer), or wrap only the layers that run that way"
+        )
