@@ -326,6 +326,10 @@ def offload_layers(
     :func:`cpu_offload.get_cpu_offload_context`. Under V1, which offloads only marked
     tensors, every tensor the offloaded layers compute is marked.
 
+    The model may be compiled with ``torch.compile`` before or after this call, as a
+    whole or layer by layer: each wrapped layer is then a graph break, and its forward
+    compiles into a graph of its own (see docs/compile.md).
+
     Every forward must run all the layers once, and its backward must run before the
     next forward with grad enabled (gradient accumulation: forward and backward for
     each micro-batch, then one optimizer step).
