@@ -18,7 +18,7 @@ from ._layer_call import run_layer, run_layer_recomputed
 from ._marking import MarkOutputs
 from ._warn import warn_at_caller
 
-__all__ = ["Runner", "StepWatch", "sync_first"]
+__all__ = ["Runner", "StepWatch", "recompute", "sync_first"]
 
 
 def sync_first(out: Any, sync: Callable[[torch.Tensor], torch.Tensor], index: int) -> Any:
@@ -116,6 +116,14 @@ def _unbound(
     return func, (owner, *args)
 
 
+def recompute(forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict) -> Any:
+    """Run a layer's forward under activation checkpointing that recomputes it to its end
+    in backward (NOTE [Recomputation runs the whole layer]); the early-stop switch of older
+    PyTorch releases is set here, outside the frame ``torch.compile`` traces."""
+    with checkpoint_early_stop_off():
+        return run_layer_recomputed(*_unbound(forward, args), kwargs)
+
+
 class Runner:
     """Runs one layer's forward: recomputed, offloaded, or counted by the schedule.
 
@@ -152,7 +160,6 @@ class Runner:
         self.offloaded, self.recomputed = other.offloaded, other.recomputed
         self.mark_outputs = other.mark_outputs
         self.last_index = None
-        self._warned_cache = False
 
     def __call__(
         self, index: int, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict
@@ -209,12 +216,7 @@ class Runner:
             # See NOTE [Recomputation runs the whole layer]. Inside the model's own
             # checkpoint the layer is recomputed already: a second one would only add
             # another recomputation.
-
-            recompute = functools.partial(run_layer_recomputed, *_unbound(forward, args), kwargs)
-
-            def run() -> Any:
-                with checkpoint_early_stop_off():
-                    return recompute()
+            run = functools.partial(recompute, forward, args, kwargs)
         else:
             run = functools.partial(run_layer, *_unbound(forward, args), kwargs)
 

@@ -15,8 +15,7 @@ from typing import Any
 import torch
 
 from .. import v1, v2
-from .._compat import checkpoint_early_stop_off
-from .._layer_call import run_layer_recomputed
+from .._layer_runner import recompute
 from .._marking import MarkOutputs
 from ..engine.selection import is_marked_for_offload
 from ..engine.transport import Transport
@@ -194,8 +193,7 @@ class _Checkpoint(Variant):
 
     def call(self, index, forward, args, kwargs):  # type: ignore[no-untyped-def]
         if index < self.k:
-            with checkpoint_early_stop_off():
-                return run_layer_recomputed(forward, args, kwargs)
+            return recompute(forward, args, kwargs)
         return forward(*args, **kwargs)
 
 
