@@ -108,7 +108,9 @@ def _first_step(model: nn.Module, step: Callable[[], torch.Tensor]) -> tuple:
     return loss.detach().cpu(), [p.grad.cpu() for p in _params(model)]
 
 
-def _run_plan(model: nn.Module, step: Callable[[], torch.Tensor], plan, steps: int) -> dict:  # type: ignore[no-untyped-def]
+def _run_plan(  # type: ignore[no-untyped-def]
+    model: nn.Module, step: Callable[[], torch.Tensor], plan, steps: int, warmup: int
+) -> dict:
     """Apply ``plan`` with its budget check; the first step's numerics and peak, then the
     step time and peak of the plan as it runs once the check is done."""
     error = None
@@ -125,6 +127,8 @@ def _run_plan(model: nn.Module, step: Callable[[], torch.Tensor], plan, steps: i
             except PlanOverBudget as exc:
                 error = str(exc)
                 break
+        for _ in range(warmup):
+            step().backward()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         times = []
@@ -143,22 +147,23 @@ def _run_plan(model: nn.Module, step: Callable[[], torch.Tensor], plan, steps: i
         "final_plan": check.plan.describe(),
         "tightened": check.tightened,
         "measured": [statistics.median(times), peak],
+        "step_ms_range": [min(times), max(times)],
         "check_error": error,
     }
 
 
-def _run(name: str, quick: bool, fractions: list[float], steps: int) -> dict:
+def _run(name: str, quick: bool, fractions: list[float], steps: int, warmup: int) -> dict:
     torch.use_deterministic_algorithms(True)
     model, step = _build(name, quick)
     n = len(find_layers(model))
-    none_ms, none_peak = measure_choices(model, step, [Choice.KEEP] * n, steps=steps)
+    none_ms, none_peak = measure_choices(model, step, [Choice.KEEP] * n, steps=steps, warmup=warmup)
     assert none_peak is not None
     reference = _first_step(model, step)
-    profile = profile_model(model, step, steps=steps)
+    profile = profile_model(model, step, steps=steps, warmup=warmup)
     keep = estimate(profile, [Choice.KEEP] * n)
 
     def measured(choices) -> tuple[float, int]:  # type: ignore[no-untyped-def]
-        ms, peak = measure_choices(model, step, choices, steps=steps)
+        ms, peak = measure_choices(model, step, choices, steps=steps, warmup=warmup)
         assert peak is not None
         return ms, peak
 
@@ -177,7 +182,7 @@ def _run(name: str, quick: bool, fractions: list[float], steps: int) -> dict:
         except NoPlanFits as err:
             rows.append({"fraction": fraction, "budget_bytes": budget, "error": str(err)})
             continue
-        got = _run_plan(model, step, plan, steps)
+        got = _run_plan(model, step, plan, steps, warmup)
         loss, grads = got.pop("numerics")
         exact = torch.equal(loss, reference[0]) and all(
             torch.equal(a, b) for a, b in zip(grads, reference[1], strict=True)
@@ -196,6 +201,7 @@ def _run(name: str, quick: bool, fractions: list[float], steps: int) -> dict:
                 "check_error": got["check_error"],
                 "modelled": [plan.step_ms, plan.peak_bytes],
                 "measured": [ms, peak],
+                "step_ms_range": got["step_ms_range"],
                 "first_step_peak": first_peak,
                 "exact": exact,
                 "within_budget": peak <= 1.01 * budget,
@@ -273,6 +279,7 @@ def _markdown(results: list[dict], device: str) -> str:
 def _isolated(name: str, args: argparse.Namespace) -> dict:
     # One process per workload: each starts from an empty GPU (and D's process group).
     argv = ["--one", name, "--budgets", args.budgets, "--steps", str(args.steps)]
+    argv += ["--warmup", str(args.warmup)]
     return run_isolated(__file__, argv + (["--quick"] if args.quick else []), {"workload": name})
 
 
@@ -287,7 +294,10 @@ def main() -> int:
     parser.add_argument(
         "--budgets", default="0.8,0.6,0.45", help="fractions of the measured peak without a plan"
     )
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per configuration")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
+    parser.add_argument(
+        "--warmup", type=int, default=3, help="untimed steps before each configuration's"
+    )
     parser.add_argument("--json", help="write all figures as JSON")
     parser.add_argument("--markdown", help="write the tables as Markdown")
     parser.add_argument("--one", help=argparse.SUPPRESS)
@@ -298,7 +308,9 @@ def main() -> int:
         parser.error("set CUBLAS_WORKSPACE_CONFIG=:4096:8 (the numerics are compared exactly)")
     fractions = [float(f) for f in args.budgets.split(",")]
     if args.one:
-        print(json.dumps(_run(args.one, args.quick, fractions, args.steps), default=str))
+        print(
+            json.dumps(_run(args.one, args.quick, fractions, args.steps, args.warmup), default=str)
+        )
         return 0
     names = [w.strip() for w in args.workloads.split(",") if w.strip()]
     unknown = [w for w in names if w not in WORKLOAD_DIMS]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -248,6 +249,79 @@ def test_engine_is_never_compiled(monkeypatch: pytest.MonkeyPatch) -> None:
         _steps(compiled, model, steps=2)
     assert transport.bytes_offloaded > 0
     assert seen and not any(seen), "a saved-tensor hook saw a fake or functional tensor"
+
+
+class _FramesDynamoCompiles(logging.Handler):
+    """The functions TorchDynamo starts compiling, from its debug log (one line each)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.started: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith("torchdynamo start compiling"):
+            # "torchdynamo start compiling <name> <file>:<line>, stack ..."
+            self.started.append(" ".join(message.split()[3:5]).rstrip(","))
+
+
+@contextlib.contextmanager
+def _frames_dynamo_compiles() -> Iterator[list[str]]:
+    logger = logging.getLogger("torch._dynamo.convert_frame")
+    handler, level = _FramesDynamoCompiles(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield handler.started
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+@pytest.mark.parametrize(
+    ("driver", "backend"),
+    # V1 offloads only marked tensors: with offload_layers, each layer's input.
+    [("offload_layers", "v2"), ("offload_layers", "v1"), ("loop", "v2")],
+    indirect=["backend"],
+)
+def test_dynamo_compiles_the_layers_and_nothing_the_engine_calls(driver: str, backend: str) -> None:
+    """Nothing the engine calls is compiled: not the ``__init__`` that ``dataclasses``
+    writes (file ``<string>``), which crashed Dynamo on CUDA in PyTorch 2.11, nor the
+    user's callbacks. The whole training step is compiled, so that the backward hooks too
+    run under the compiled step (its ``backward()`` is a graph break)."""
+    ref, model = _pair()
+    transport = HostTransport()
+    if driver == "offload_layers":
+        _offload(model, backend, transport, num_offloaded=2)
+        forward: Callable[[torch.Tensor], torch.Tensor] = model
+    else:
+        ctx, sync = get_cpu_offload_context(
+            True, 2, 4, transport=transport, min_tensor_size_to_offload=MIN
+        )
+        forward = loop(model, ctx, sync)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        loss = forward(x).square().mean()
+        loss.backward()
+        return loss.detach()
+
+    compiled = torch.compile(step, backend=BACKEND)
+    x = torch.randn(2, 16, 32)
+    with _frames_dynamo_compiles() as started:
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            loss = compiled(x.clone().requires_grad_())
+            grads = [p.grad.clone() for p in model.parameters()]
+    ref_loss = ref(x).square().mean()
+    ref_loss.backward()
+    assert torch.equal(loss, ref_loss.detach())
+    for g, r in zip(grads, (p.grad for p in ref.parameters()), strict=True):
+        assert torch.equal(g, r)
+    assert transport.bytes_offloaded > 0
+    assert any("forward" in frame for frame in started), started  # the log was read
+    outside = [f for f in started if "cpu_offload" in f and "_layer_call" not in f]
+    assert not outside, f"Dynamo compiled engine code: {outside}"
+    assert not [f for f in started if "<string>" in f], started
 
 
 @pytest.mark.parametrize("driver", ["offload_layers", "loop"])

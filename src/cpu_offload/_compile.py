@@ -28,6 +28,17 @@ layer, or with each layer compiled on its own. With the Inductor backend, one gr
 the whole model (without offloading) may round differently, since Inductor fuses
 operations across a layer boundary there.
 
+Skipping the engine's files is not enough: Dynamo still looks at every Python function
+that skipped code calls, and compiles those that live elsewhere. The engine calls code
+that no file holds (the ``__init__`` that ``dataclasses`` writes, in ``<string>``) and
+code of the user's (a ``tensor_filter``); compiled with a real CUDA tensor as an argument,
+a dataclass ``__init__`` crashed Dynamo in PyTorch 2.11 (a segmentation fault). So every
+entry into the engine from code that may run compiled (an offload context's ``__enter__``
+and ``__exit__``, the sync and commit functions, the saved-tensor hooks, the backward
+hooks, ``offload_layers``' runner) runs with Dynamo's frame evaluation off
+(:func:`outside_compile`): nothing it calls is compiled. The runner turns it back on for
+the one call that must be compiled, the layer's own forward (:func:`call_compiled`).
+
 The hooks themselves never see a fake or functional tensor of ``torch.compile``: Dynamo
 and AOTAutograd switch saved-tensor hooks off while they trace
 (``torch._C._autograd._saved_tensors_hooks_set_tracing``), so the hooks run when the
@@ -36,12 +47,23 @@ compiled function runs, on the real tensors it saves for backward.
 
 from __future__ import annotations
 
+import functools
 import pkgutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
-from ._compat import dynamo_skip
+from ._compat import dynamo_skip, swap_dynamo_callback
 
-__all__ = ["TRACEABLE_MODULES", "engine_modules", "keep_engine_out_of_compile"]
+__all__ = [
+    "TRACEABLE_MODULES",
+    "call_compiled",
+    "engine_modules",
+    "keep_engine_out_of_compile",
+    "outside_compile",
+]
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 #: The package's modules that torch.compile may trace (all others are engine).
 TRACEABLE_MODULES = frozenset({"models", "_layer_call", "_marking"})
@@ -71,3 +93,45 @@ def keep_engine_out_of_compile() -> None:
     for module in engine_modules():
         dynamo_skip(module)
     _registered = True
+
+
+def outside_compile(fn: F) -> F:
+    """``fn`` runs with TorchDynamo's frame evaluation off, whoever calls it.
+
+    For the engine's entry points (see the NOTE above): from compiled code they are a
+    graph break already; this also keeps Dynamo away from what they call. The previous
+    state is restored on return, so nested entries are free.
+
+    Example:
+        >>> import torch
+        >>> from cpu_offload._compile import outside_compile
+        >>> @outside_compile
+        ... def engine_step(x):
+        ...     return x + 1
+        >>> engine_step(torch.ones(2)).tolist()
+        [2.0, 2.0]
+    """
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        callback = swap_dynamo_callback(None)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            swap_dynamo_callback(callback)
+
+    return run  # type: ignore[return-value]
+
+
+def call_compiled(callback: object, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` with Dynamo's callback ``callback`` on, from engine code.
+
+    ``callback`` is what :func:`cpu_offload._compat.swap_dynamo_callback` returned when
+    the engine was entered: the caller's compilation, which the layer's forward joins.
+    Frame evaluation is off again on return.
+    """
+    swap_dynamo_callback(callback)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        swap_dynamo_callback(None)

@@ -13,7 +13,13 @@ from typing import Any, Protocol
 
 import torch
 
-from ._compat import checkpoint_early_stop_off, in_backward, in_checkpoint_forward
+from ._compat import (
+    checkpoint_early_stop_off,
+    in_backward,
+    in_checkpoint_forward,
+    swap_dynamo_callback,
+)
+from ._compile import call_compiled
 from ._layer_call import run_layer, run_layer_recomputed
 from ._marking import MarkOutputs
 from ._warn import warn_at_caller
@@ -169,6 +175,22 @@ class Runner:
             # backward (a model's own activation checkpointing, whose activations are
             # used at once): the schedule must not count it.
             return run_layer(*_unbound(forward, args), kwargs)
+        # The engine runs uncompiled, the layer's forward compiled if its caller is: see
+        # NOTE [torch.compile and the offload engine].
+        callback = swap_dynamo_callback(None)
+        try:
+            return self._forward(index, forward, args, kwargs, callback)
+        finally:
+            swap_dynamo_callback(callback)
+
+    def _forward(
+        self,
+        index: int,
+        forward: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict,
+        callback: object,
+    ) -> Any:
         watch = self.watch
         if index == 0:
             if watch is not None:
@@ -178,7 +200,7 @@ class Runner:
             kwargs = {**kwargs, **dict.fromkeys(self._dropped, None)}
         self.depth += 1
         try:
-            out = self._run(index, forward, args, kwargs)
+            out = self._run(index, forward, args, kwargs, callback)
         finally:
             self.depth -= 1
         if watch is not None and index == self.num_layers - 1:
@@ -210,15 +232,22 @@ class Runner:
         return names
 
     def _run(
-        self, index: int, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict
+        self,
+        index: int,
+        forward: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict,
+        callback: object,
     ) -> Any:
         if index in self.recomputed and not in_checkpoint_forward():
             # See NOTE [Recomputation runs the whole layer]. Inside the model's own
             # checkpoint the layer is recomputed already: a second one would only add
             # another recomputation.
-            run = functools.partial(recompute, forward, args, kwargs)
+            run = functools.partial(call_compiled, callback, recompute, forward, args, kwargs)
         else:
-            run = functools.partial(run_layer, *_unbound(forward, args), kwargs)
+            run = functools.partial(
+                call_compiled, callback, run_layer, *_unbound(forward, args), kwargs
+            )
 
         if self.context is None:
             return run()

@@ -15,6 +15,8 @@ from typing import Any, Protocol
 
 import torch
 
+from .._compile import outside_compile
+
 __all__ = [
     "ActiveContext",
     "ActiveHooks",
@@ -65,7 +67,10 @@ class ActiveHooks:
         self._hooks = (
             None
             if pack is None or unpack is None
-            else torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+            # Called from compiled code too: see NOTE [torch.compile and the offload engine].
+            else torch.autograd.graph.saved_tensors_hooks(
+                outside_compile(pack), outside_compile(unpack)
+            )
         )
 
     @property

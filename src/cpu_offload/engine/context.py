@@ -28,7 +28,7 @@ from __future__ import annotations
 from types import TracebackType
 
 from .._compat import in_checkpoint_forward
-from .._compile import keep_engine_out_of_compile
+from .._compile import keep_engine_out_of_compile, outside_compile
 from .._log import logger
 from .active import ActiveHooks, ContextOwner
 
@@ -66,6 +66,7 @@ class OffloadContextBase:
     def _on_exit(self) -> None:
         """Called when the ``with`` block ends without an exception."""
 
+    @outside_compile  # see NOTE [torch.compile and the offload engine]
     def __enter__(self) -> OffloadContextBase:
         owner = self._owner
         owner.claim(self._layer_pending())
@@ -83,6 +84,7 @@ class OffloadContextBase:
         self.inside_context = True
         return self
 
+    @outside_compile
     def __exit__(
         self,
         exc_type: type[BaseException] | None,

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from .._args import activations_requested, check_bool, check_int
+from .._compile import outside_compile
 from ..engine.active import ActiveHooks
 from ..engine.context import OffloadContextBase
 from ..engine.selection import is_marked_for_offload
@@ -120,11 +121,13 @@ class GroupCommitFunction(torch.autograd.Function):
         return tensor
 
     @staticmethod
+    @outside_compile
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None]:
         ctx.cpu_offload_handler.on_group_commit_backward()
         return grad_output, None
 
 
+@outside_compile  # see NOTE [torch.compile and the offload engine]
 def group_prefetch_offload_commit(tensor: torch.Tensor, offload_handler: Any) -> torch.Tensor:
     """Commit the current group: ``GroupCommitFunction.apply(tensor, offload_handler)``."""
     if not torch.is_grad_enabled():

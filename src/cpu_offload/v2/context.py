@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from .._args import activations_requested, check_bool, check_int, check_stream
+from .._compile import outside_compile
 from .._warn import warn_at_caller
 from ..engine.active import ActiveHooks, active_context
 from ..engine.context import OffloadContextBase
@@ -120,6 +121,7 @@ class _BackwardStart:
         self.synchronizer = synchronizer
         self.layer_id = layer_id
 
+    @outside_compile  # see NOTE [torch.compile and the offload engine]
     def __call__(self, grad_outputs: Any) -> None:
         self.synchronizer.bwd_step(self.layer_id)
 
@@ -133,6 +135,7 @@ class SyncFunction:
     def __init__(self, context: OffloadContext) -> None:
         self.context = context
 
+    @outside_compile
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
         ctx = self.context
         ctx._owner.check_caller("synced")
