@@ -1,11 +1,15 @@
-"""What the GPU benchmark scripts share: one workload per process, and the files they write."""
+"""What the GPU benchmark scripts share: one workload per process, the conditions of timing
+and of exact comparison, and the files they write."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
+import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -24,6 +28,50 @@ def run_isolated(script: str, argv: list[str], on_failure: dict[str, Any]) -> di
     if proc.returncode != 0:
         return {**on_failure, "error": f"exit code {proc.returncode}"}
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+_CUBLAS = "CUBLAS_WORKSPACE_CONFIG"
+
+
+@contextlib.contextmanager
+def timed_as_users_train() -> Iterator[None]:
+    """Time steps as users train: without ``CUBLAS_WORKSPACE_CONFIG``, without
+    deterministic algorithms.
+
+    PyTorch (2.11 at least) reads and parses ``CUBLAS_WORKSPACE_CONFIG`` at every cuBLAS
+    call once it is set: on the H100 host of our measurements a small matmul's launch took
+    58 us with it set against 15 us without, which makes models of 1k-2k hidden host-bound
+    and their step times drift by up to 20 % between rounds. The variable is read per call,
+    so it is taken out of the environment here and put back on exit; exact comparisons run
+    under :func:`exact` in the same process.
+    """
+    saved, deterministic = (
+        os.environ.pop(_CUBLAS, None),
+        torch.are_deterministic_algorithms_enabled(),
+    )
+    torch.use_deterministic_algorithms(False)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ[_CUBLAS] = saved
+        torch.use_deterministic_algorithms(deterministic)
+
+
+@contextlib.contextmanager
+def exact() -> Iterator[None]:
+    """Deterministic kernels (cuBLAS with a fixed workspace) for bit-exact comparisons."""
+    saved, deterministic = os.environ.get(_CUBLAS), torch.are_deterministic_algorithms_enabled()
+    os.environ[_CUBLAS] = ":4096:8"
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[_CUBLAS]
+        else:
+            os.environ[_CUBLAS] = saved
+        torch.use_deterministic_algorithms(deterministic)
 
 
 def write_reports(
