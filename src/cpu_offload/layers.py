@@ -183,6 +183,12 @@ class OffloadedLayers:
             patch.undo()
         self._installed.clear()
         self._runner.watch = None
+        # The context's objects refer to each other (hooks and their owner), so they wait
+        # for the garbage collector, which runs on counts of Python objects, not on bytes:
+        # the host buffers, free again after each backward, are dropped now instead.
+        transport = self._runner.transport
+        if transport is not None:
+            transport.pool.clear()
         self._removed = True
         logger.debug("offload_layers: removed from %d layers", self.num_layers)
 
