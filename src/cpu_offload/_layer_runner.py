@@ -179,33 +179,23 @@ class Runner:
         # NOTE [torch.compile and the offload engine].
         callback = swap_dynamo_callback(None)
         try:
-            return self._forward(index, forward, args, kwargs, callback)
+            watch = self.watch
+            if index == 0:
+                if watch is not None:
+                    watch.forward_started()
+                self._dropped = self._caches_to_drop(kwargs)
+            if self._dropped:
+                kwargs = {**kwargs, **dict.fromkeys(self._dropped, None)}
+            self.depth += 1
+            try:
+                out = self._run(index, forward, args, kwargs, callback)
+            finally:
+                self.depth -= 1
+            if watch is not None and index == self.num_layers - 1:
+                watch.forward_ended(out)
+            return out
         finally:
             swap_dynamo_callback(callback)
-
-    def _forward(
-        self,
-        index: int,
-        forward: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict,
-        callback: object,
-    ) -> Any:
-        watch = self.watch
-        if index == 0:
-            if watch is not None:
-                watch.forward_started()
-            self._dropped = self._caches_to_drop(kwargs)
-        if self._dropped:
-            kwargs = {**kwargs, **dict.fromkeys(self._dropped, None)}
-        self.depth += 1
-        try:
-            out = self._run(index, forward, args, kwargs, callback)
-        finally:
-            self.depth -= 1
-        if watch is not None and index == self.num_layers - 1:
-            watch.forward_ended(out)
-        return out
 
     def _caches_to_drop(self, kwargs: dict) -> list[str]:
         """At a forward's first layer: which caches to leave out of this forward."""
