@@ -100,3 +100,43 @@ def test_the_base_class_needs_open():
     with pytest.raises(NotImplementedError, match="_open"):
         OffloadContextBase().__enter__()
     assert not is_cpu_offload_enabled()
+
+
+@pytest.mark.parametrize("backend", ["v2", "v1"])
+def test_a_dropped_context_frees_its_host_buffers_without_the_garbage_collector(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A context held its hooks and the hooks their owner: the cycle kept the context, its
+    # synchronizer and its transport's host buffers alive until the garbage collector ran,
+    # which it does on counts of Python objects, not bytes.
+    import gc
+    import weakref
+
+    from torch import nn
+
+    from cpu_offload import HostTransport, get_cpu_offload_context, mark_activation_offload
+
+    monkeypatch.setenv("NVTE_CPU_OFFLOAD_V1", "1" if backend == "v1" else "0")
+    import torch._dynamo  # noqa: F401  (imported once per process by the first context)
+
+    layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(4))
+    x = torch.randn(32, 64, requires_grad=True)
+    transport = HostTransport()
+    kwargs = {} if backend == "v1" else {"min_tensor_size_to_offload": 16}
+    ctx, sync = get_cpu_offload_context(True, 2, 4, transport=transport, **kwargs)
+    gc.disable()
+    try:
+        for _ in range(2):
+            h = x
+            for layer in layers:
+                with ctx:
+                    mark_activation_offload(h)
+                    h = layer(h)
+                h = sync(h)
+            h.square().mean().backward()
+        assert transport.bytes_offloaded > 0
+        refs = [weakref.ref(ctx), weakref.ref(transport)]
+        del ctx, sync, transport, h
+        assert [r() for r in refs] == [None, None], "the context or its transport is alive"
+    finally:
+        gc.enable()

@@ -8,6 +8,7 @@ context variable, so that threads and asyncio tasks each see their own.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 from contextvars import ContextVar
 from types import TracebackType
@@ -63,7 +64,9 @@ class ActiveHooks:
         pack: Callable[[torch.Tensor], Any] | None = None,
         unpack: Callable[[Any], torch.Tensor] | None = None,
     ) -> None:
-        self.owner = owner
+        # Weakly: the owner holds its hooks, and a cycle would keep the owner (and its
+        # host buffers) alive until the garbage collector runs.
+        self._owner = weakref.ref(owner)
         self._hooks = (
             None
             if pack is None or unpack is None
@@ -81,7 +84,9 @@ class ActiveHooks:
     def __enter__(self) -> ActiveHooks:
         if self._hooks is not None:
             self._hooks.__enter__()
-        push_active(self.owner)
+        owner = self._owner()
+        assert owner is not None  # its owner enters it
+        push_active(owner)
         return self
 
     def __exit__(
@@ -90,7 +95,9 @@ class ActiveHooks:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        pop_active(self.owner)
+        owner = self._owner()
+        if owner is not None:
+            pop_active(owner)
         if self._hooks is not None:
             self._hooks.__exit__(exc_type, exc, tb)
 
