@@ -74,6 +74,15 @@ def exact() -> Iterator[None]:
         torch.use_deterministic_algorithms(deterministic)
 
 
+def bit_identical(
+    got: tuple[torch.Tensor, list[torch.Tensor]], want: tuple[torch.Tensor, list[torch.Tensor]]
+) -> bool:
+    """Whether a step's loss and every gradient equal another's, bit for bit."""
+    return torch.equal(got[0], want[0]) and all(
+        torch.equal(a, b) for a, b in zip(got[1], want[1], strict=True)
+    )
+
+
 def write_reports(
     json_path: str | None,
     markdown_path: str | None,

@@ -32,7 +32,7 @@ import sys
 
 import torch
 from _models import LLAMA_VOCAB, llama
-from _report import exact, run_isolated, timed_as_users_train, write_reports
+from _report import bit_identical, exact, run_isolated, timed_as_users_train, write_reports
 
 CONFIGS = {
     "h2048-L8-s2048-b4": dict(hidden=2048, layers=8, seq=2048, batch=4),
@@ -85,9 +85,7 @@ def _run(name: str, steps: int, repeats: int) -> dict:
             if reference is None:
                 reference = (loss, grads)
             elif variant not in same:
-                same[variant] = torch.equal(loss, reference[0]) and all(
-                    torch.equal(a, b) for a, b in zip(grads, reference[1], strict=True)
-                )
+                same[variant] = bit_identical((loss, grads), reference)
             del grads
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()

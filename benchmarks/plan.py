@@ -34,7 +34,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _models import LLAMA_VOCAB, MEGATRON_VOCAB, llama, megatron_gpt  # noqa: E402
-from _report import exact, run_isolated, timed_as_users_train, write_reports  # noqa: E402
+from _report import bit_identical, exact, run_isolated, timed_as_users_train, write_reports  # noqa: E402
 from activation_offload import WORKLOADS  # noqa: E402
 
 from cpu_offload._layer_stack import find_layers  # noqa: E402
@@ -147,9 +147,6 @@ def _release_pinned_cache() -> None:
     empty = getattr(torch._C, "_host_emptyCache", None)
     if empty is not None:
         empty()
-    stats = torch.cuda.host_memory_stats()
-    held = {k: f"{v / 2**30:.1f} GiB" for k, v in stats.items() if "bytes.current" in k}
-    print(f"pinned host memory: {held}", file=sys.stderr, flush=True)
 
 
 def _alternated(  # type: ignore[no-untyped-def]
@@ -189,10 +186,7 @@ def _exact(model: nn.Module, step: Callable[[], torch.Tensor], plans: list) -> l
         for plan in plans:
             with apply_plan(model, plan, check_budget=False):
                 loss, grads = _first_step(model, step)
-            same.append(
-                torch.equal(loss, reference[0])
-                and all(torch.equal(a, b) for a, b in zip(grads, reference[1], strict=True))
-            )
+            same.append(bit_identical((loss, grads), reference))
     return same
 
 

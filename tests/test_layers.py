@@ -473,10 +473,10 @@ def test_a_models_own_checkpointing_recomputes_outside_the_schedule(backend):
 
 
 def test_remove_frees_the_host_buffers_without_waiting_for_the_garbage_collector(backend):
-    # The context's objects form reference cycles, which only the garbage collector
-    # frees; it runs on counts of Python objects, not bytes, and a benchmark that applied
-    # one configuration after another on a large model ran out of host memory on pinned
-    # buffers that nothing used any more. remove() drops them at once.
+    # A benchmark that applied one configuration after another on a large model ran out
+    # of host memory on pinned buffers that nothing used any more: remove() drops them at
+    # once, while the handle (and its transport) is still held, without the garbage
+    # collector.
     import gc
     import weakref
 

@@ -183,9 +183,8 @@ class OffloadedLayers:
             patch.undo()
         self._installed.clear()
         self._runner.watch = None
-        # The context's objects refer to each other (hooks and their owner), so they wait
-        # for the garbage collector, which runs on counts of Python objects, not on bytes:
-        # the host buffers, free again after each backward, are dropped now instead.
+        # The handle usually outlives remove() (a variable holds it), and with it the
+        # transport: its host buffers, free again after each backward, are dropped now.
         transport = self._runner.transport
         if transport is not None:
             transport.pool.clear()
