@@ -2,13 +2,15 @@
 
 Every parameter of a :class:`~cpu_offload.optim.HybridDeviceOptimizer` gets one
 :class:`Entry`: the tensor its sub-optimizer steps (the parameter itself, a host copy or
-a fp32 master) and the host buffers its copies go through. Entries are grouped into
+a fp32 master) and the host buffers its copies go through; a gradient copy started in
+backward is recorded on it as an :class:`EarlyCopy`. Entries are grouped into
 sub-optimizers (:class:`Sub`): host buckets and one device optimizer.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref  # noqa: F401  (EarlyCopy.grad is a weak reference)
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -18,9 +20,16 @@ import torch
 
 from cpu_offload._compat import fused_optimizer_supported
 
-from ._fingerprint import EarlyCopy
-
-__all__ = ["CopyDtype", "Entry", "EntryFactory", "Sub", "bucket_entries", "make_sub", "side_kwargs"]
+__all__ = [
+    "CopyDtype",
+    "EarlyCopy",
+    "Entry",
+    "EntryFactory",
+    "Sub",
+    "bucket_entries",
+    "make_sub",
+    "side_kwargs",
+]
 
 # Which dtype crosses PCIe for a parameter with a host fp32 master: the master's (fp32,
 # converted on the device) or the parameter's own (converted on the host).
@@ -44,6 +53,19 @@ _FUSABLE_CLASSES: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.AdamW,
     torch.optim.SGD,
 )
+
+
+@dataclass(eq=False)
+class EarlyCopy:
+    """A gradient copy started in backward, to be checked in ``step()``."""
+
+    grad: weakref.ref[torch.Tensor]
+    version: int
+    copy_event: torch.cuda.Event | None
+    # The gradient's fingerprint, taken on its device on the stream that produced it,
+    # before anything queued after the hook could change it.
+    fingerprint: torch.Tensor
+    widened: bool  # the worker widens it into the entry's host_grad (entry.pending)
 
 
 @dataclass(eq=False)

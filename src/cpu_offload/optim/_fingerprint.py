@@ -7,17 +7,13 @@ fingerprint of its bits, taken on its device (see :func:`fingerprint`).
 
 from __future__ import annotations
 
-import weakref  # noqa: F401  (EarlyCopy.grad is a weak reference)
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from ._entries import Entry
+from ._entries import Entry
 
-__all__ = ["EarlyCopy", "check_early_copies", "fingerprint", "keep_unchanged_early_copies"]
+__all__ = ["check_early_copies", "fingerprint", "keep_unchanged_early_copies"]
 
 # Integer dtype of each element width, to read a tensor's bits element by element.
 _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.int64}
@@ -68,19 +64,6 @@ def fingerprint(tensor: torch.Tensor) -> torch.Tensor:
         else:
             total += chunk.to(torch.int64).bitwise_and_(mask).sum()
     return torch.stack([total, ints.amax().to(torch.int64), ints.amin().to(torch.int64)])
-
-
-@dataclass(eq=False)
-class EarlyCopy:
-    """A gradient copy started in backward, to be checked in ``step()``."""
-
-    grad: weakref.ref[torch.Tensor]
-    version: int
-    copy_event: torch.cuda.Event | None
-    # The gradient's fingerprint, taken on its device on the stream that produced it,
-    # before anything queued after the hook could change it.
-    fingerprint: torch.Tensor
-    widened: bool  # the worker widens it into the entry's host_grad (entry.pending)
 
 
 def check_early_copies(

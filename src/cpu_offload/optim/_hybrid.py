@@ -15,12 +15,13 @@ same constructor, split and state-dict contract, with a faster data path:
 
 The pieces: ``_entries`` (what steps each parameter), ``_copies`` (the host <-> device
 copies of one entry), ``_fingerprint`` (checks of early gradient copies), ``_checkpoint``
-(state dicts); this module orchestrates them.
+(state dicts), ``_step`` (the data path of one step, base class ``HybridStepper``) and
+``_build`` (the layout built from the split, base class ``HybridBuilder``); this module
+holds the public class: its options, constructor and public methods.
 """
 
 from __future__ import annotations
 
-import time
 import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -39,32 +40,11 @@ from ._args import (
     pop_flag,
     pop_predicate,
 )
-from ._checkpoint import (
-    adopt_param_writes,
-    install_state,
-    match_loaded_groups,
-    pack_state_dict,
-    state_view,
-)
-from ._copies import send_grad, step_host_subs
-from ._entries import (
-    IMPLEMENTATION_KEYS,
-    CopyDtype,
-    Entry,
-    EntryFactory,
-    Sub,
-    bucket_entries,
-    make_sub,
-    side_kwargs,
-)
-from ._fingerprint import EarlyCopy, check_early_copies, fingerprint, keep_unchanged_early_copies
+from ._build import HybridBuilder, remove_hooks
+from ._checkpoint import adopt_param_writes, match_loaded_groups, pack_state_dict
+from ._entries import CopyDtype, Entry, EntryFactory, Sub
 from ._forward_overlap import ForwardOverlap
-from ._split import (
-    check_offload_fraction,
-    compute_offload_split,
-    is_device_tensor,
-    warn_if_nothing_can_be_offloaded,
-)
+from ._split import check_offload_fraction, is_device_tensor, warn_if_nothing_can_be_offloaded
 
 __all__ = ["KEYWORD_OPTIONS", "HybridDeviceOptimizer"]
 
@@ -83,32 +63,7 @@ KEYWORD_OPTIONS = frozenset(
 )
 
 
-class _GradReadyHook:
-    """Post-accumulate-grad hook that starts an offloaded gradient's copy in backward.
-
-    Holds the optimizer weakly: the hook lives on the parameter, which must not keep the
-    optimizer alive.
-    """
-
-    def __init__(self, owner: HybridDeviceOptimizer, entry: Entry, generation: int) -> None:
-        self._owner = weakref.ref(owner)
-        self._entry = weakref.ref(entry)
-        self._generation = generation
-
-    def __call__(self, param: torch.Tensor) -> None:
-        owner = self._owner()
-        entry = self._entry()
-        if owner is not None and entry is not None:
-            owner._on_grad_ready(entry, self._generation)
-
-
-def _remove_hooks(handles: list[Any]) -> None:
-    for handle in handles:
-        handle.remove()
-    handles.clear()
-
-
-class HybridDeviceOptimizer(torch.optim.Optimizer):
+class HybridDeviceOptimizer(HybridBuilder):
     """An optimizer that keeps the state of a fraction of the parameters on the host.
 
     Megatron-LM's ``HybridDeviceOptimizer`` constructor and behaviour: walking the
@@ -213,10 +168,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         >>> opt.zero_grad()
     """
 
-    # Gradients smaller than this are copied in step(), not from backward: checking an
-    # early copy costs a few kernel launches, more than copying a small gradient again.
-    _early_min_numel = 1 << 19
-
     def __init__(
         self,
         params: ParamsT,
@@ -287,7 +238,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._executor: ThreadPoolExecutor | None = None
         self._hook_handles: list[Any] = []
         # A dropped optimizer takes its hooks off the parameters it leaves behind.
-        weakref.finalize(self, _remove_hooks, self._hook_handles)
+        weakref.finalize(self, remove_hooks, self._hook_handles)
         self._generation = 0
         self._entries: list[Entry] = []
         self._host_subs: list[Sub] = []
@@ -473,252 +424,3 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self.synchronize()
         self.param_groups, by_param = match_loaded_groups(self.param_groups, state_dict)
         self._build(by_param)
-
-    # ------------------------------------------------------------------ building
-
-    def _state_by_param(self) -> dict[torch.Tensor, dict[str, Any]]:
-        self.synchronize()
-        adopt_param_writes(self._entries)
-        self._refresh_state()
-        return {p: dict(s) for p, s in self.state.items() if s}
-
-    def _teardown(self) -> None:
-        self.synchronize()
-        _remove_hooks(self._hook_handles)
-        for entry in self._entries:
-            if entry.pending is not None:
-                entry.pending.result()
-        self._generation += 1
-
-    def _build(self, state_by_param: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
-        self._teardown()
-        flat = [p for g in self.param_groups for p in g["params"]]
-        split = compute_offload_split(
-            flat,
-            self.offload_fraction,
-            is_device=self.is_device_param,
-            from_end=self.offload_last_layers,
-        )
-        cuda_devices = {p.device for p, off in zip(flat, split, strict=True) if off and p.is_cuda}
-        if len(cuda_devices) > 1:
-            raise ValueError(
-                "params: all offloaded CUDA parameters of one HybridDeviceOptimizer must be "
-                f"on one device, got {sorted(str(d) for d in cuda_devices)}"
-            )
-        self._cuda_device = next(iter(cuda_devices), None)
-        entries: list[Entry] = []
-        position = 0
-        for group_index, group in enumerate(self.param_groups):
-            for p in group["params"]:
-                device_param = bool(self.is_device_param(p))
-                entries.append(self._factory.make(p, group_index, split[position], device_param))
-                position += 1
-        self._entries = entries
-
-        cuda = self._cuda_device is not None
-        use_streams = cuda and self.overlap_cpu_optimizer_d2h_h2d
-        self._d2h_stream = torch.cuda.Stream(self._cuda_device) if use_streams else None
-        # Copies back queued from the host-step thread need a stream of their own.
-        late = cuda and self._overlap is not None
-        self._h2d_stream = torch.cuda.Stream(self._cuda_device) if use_streams or late else None
-
-        host_entries = self._host_order(entries)
-        device_entries = [e for e in entries if not e.host]
-        host_kwargs = side_kwargs(self.sub_optimizer_kwargs, self.cpu_optimizer_cls, "cpu")
-        buckets = bucket_entries(
-            host_entries, self.overlap_cpu_optimizer_d2h_h2d or self._overlap is not None
-        )
-        self._host_subs = [
-            make_sub(self.cpu_optimizer_cls, b, self.param_groups, host_kwargs) for b in buckets
-        ]
-        self._device_sub = None
-        if device_entries:
-            device_type = device_entries[0].param.device.type
-            device_kwargs = side_kwargs(
-                self.sub_optimizer_kwargs, self.gpu_optimizer_cls, device_type
-            )
-            self._device_sub = make_sub(
-                self.gpu_optimizer_cls, device_entries, self.param_groups, device_kwargs
-            )
-
-        # The HDO's groups and defaults carry the sub-optimizers' full hyperparameter set,
-        # so that a state dict of this optimizer configures a plain optimizer completely
-        # (e.g. AdamW's decoupled_weight_decay, whose absence would mean Adam).
-        for sub in self._all_subs():
-            for key, value in sub.optimizer.defaults.items():
-                self.defaults.setdefault(key, value)
-                for group in self.param_groups:
-                    group.setdefault(key, value)
-
-        install_state(entries, state_by_param)
-        self._refresh_state()
-        if self._overlap is not None:
-            self._overlap.cuda_device = self._cuda_device
-            self._overlap.track(entries)
-        if (self.overlap_cpu_optimizer_d2h_h2d and self.early_grad_copy) or self._overlap:
-            for entry in entries:
-                p = entry.param
-                if entry.offloaded and p.requires_grad and p.is_leaf:
-                    hook = _GradReadyHook(self, entry, self._generation)
-                    self._hook_handles.append(p.register_post_accumulate_grad_hook(hook))
-
-    def _host_order(self, entries: list[Entry]) -> list[Entry]:
-        host = [e for e in entries if e.host]
-        if self._overlap is None:
-            # Reverse parameter order: backward produces the last parameters' gradients
-            # first, so their early copies are the first to be complete.
-            return host[::-1]
-        # The order the next forward reads them in (learned from the first forward;
-        # parameters it did not read follow, in parameter order).
-        unseen = len(entries)
-
-        def position(item: tuple[int, Entry]) -> tuple[int, int]:
-            seen = self._overlap.forward_position(item[1])  # type: ignore[union-attr]
-            return (unseen if seen is None else seen, item[0])
-
-        return [e for _, e in sorted(enumerate(host), key=position)]
-
-    # ------------------------------------------------------------------ state view
-
-    def _refresh_state(self) -> None:
-        self.state = state_view(self._entries)
-
-    def _sync_hyperparameters(self) -> None:
-        for sub in self._all_subs():
-            for sub_group, group_id in zip(sub.optimizer.param_groups, sub.group_ids, strict=True):
-                for key, value in self.param_groups[group_id].items():
-                    if key not in IMPLEMENTATION_KEYS:
-                        sub_group[key] = value
-
-    def _all_subs(self) -> list[Sub]:
-        return self._host_subs + ([self._device_sub] if self._device_sub is not None else [])
-
-    # ------------------------------------------------------------------ early copies
-
-    def _worker(self) -> ThreadPoolExecutor:
-        if self._executor is None:
-            # One thread: widening tasks of one entry must run in submission order.
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="cpu_offload_hdo")
-            weakref.finalize(self, self._executor.shutdown, wait=False)
-        return self._executor
-
-    def _on_grad_ready(self, entry: Entry, generation: int) -> None:
-        """Start an offloaded gradient's copy from backward (post-accumulate-grad hook)."""
-        if generation != self._generation:
-            return
-        if self._overlap is not None:
-            self._overlap.check_read(entry)
-            if not (self.overlap_cpu_optimizer_d2h_h2d and self.early_grad_copy):
-                return
-        grad = entry.param.grad
-        if grad is None or grad.is_sparse:
-            return
-        if grad.numel() < self._early_min_numel or is_current_stream_capturing():
-            return
-        # Taken on the stream that produced the gradient, so that it describes the
-        # gradient as backward left it: a change queued later (clipping on this stream)
-        # may race with the copy below, but then step() sees another fingerprint.
-        taken = fingerprint(grad)
-        stream = self._d2h_stream
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(grad.device))
-        event, widened = send_grad(entry, grad, stream, self.pin_cpu_grads, self._worker())
-        entry.early = EarlyCopy(weakref.ref(grad), grad._version, event, taken, widened)
-
-    # ------------------------------------------------------------------ the step
-
-    def _step_all(self) -> None:
-        t_start = time.perf_counter()
-        offloaded = [e for e in self._entries if e.offloaded]
-        early_candidates = sum(1 for e in offloaded if e.early is not None)
-        current = (
-            torch.cuda.current_stream(self._cuda_device) if self._cuda_device is not None else None
-        )
-        # Side streams in the overlapped mode, the current stream otherwise.
-        d2h = self._d2h_stream if self._d2h_stream is not None else current
-        h2d = self._h2d_stream if self._h2d_stream is not None else current
-        # Everything queued before step() (backward, clipping, ...): the gradient copies
-        # must come after it, and the copies back must not overwrite parameters it may
-        # still read. Recorded before the device step so that the copies back do not
-        # also wait for the device optimizer.
-        before_step = current.record_event() if current is not None else None
-
-        # 1. Which early copies still hold the gradient (the check queued first) ...
-        candidates, same, checked = check_early_copies(offloaded)
-
-        # 2. ... while the device part is queued, to run on the device as the host works.
-        if self._device_sub is not None:
-            self._step_device()
-        kept = keep_unchanged_early_copies(candidates, same, checked)
-        t_checked = time.perf_counter()
-
-        # 3. Gradients to the host, for every offloaded entry without a valid early copy,
-        #    in host-stepping order.
-        if self._d2h_stream is not None and before_step is not None:
-            self._d2h_stream.wait_event(before_step)
-        for sub in self._host_subs:
-            for entry in sub.entries:
-                self._take_grad(entry, d2h)
-
-        # 4. Host buckets: wait for their gradients, step, copy back (pipelined).
-        if self._h2d_stream is not None and before_step is not None:
-            self._h2d_stream.wait_event(before_step)
-        now, later = self._host_subs, []
-        if self._overlap is not None:
-            # Buckets of offloaded parameters are stepped after step() returns; the
-            # caller's host parameters (whose .grad the host optimizer reads) now.
-            later = [s for s in now if all(e.offloaded for e in s.entries)]
-            now = [s for s in now if s not in later]
-        host_timings = step_host_subs(now, h2d)
-        if later:
-            assert self._overlap is not None
-            self._overlap.submit(later, h2d)
-        elif self._h2d_stream is not None and current is not None:
-            # Whatever the caller queues next on the current stream sees the new values.
-            current.wait_stream(self._h2d_stream)
-        self.last_step_timings = {
-            "step_s": time.perf_counter() - t_start,
-            "check_s": t_checked - t_start,
-            **host_timings,
-            "host_numel": float(sum(e.param.numel() for e in self._entries if e.host)),
-            "early_copies": float(early_candidates),
-            "early_copies_reused": float(kept),
-        }
-
-    def _take_grad(self, entry: Entry, stream: torch.cuda.Stream | None) -> None:
-        """Start the gradient's way to the host optimizer (a copy unless early or host)."""
-        entry.widened = False
-        entry.d2h_event = None
-        grad = entry.param.grad
-        entry.has_grad = grad is not None
-        if not entry.offloaded:
-            # A host parameter: stepped in place, or through a host fp32 master.
-            if entry.master:
-                entry.inner.grad = None if grad is None else grad.to(entry.inner.dtype)
-            return
-        if grad is None:
-            entry.inner.grad = None
-            entry.early = None
-            return
-        if entry.early is not None:
-            entry.d2h_event = entry.early.copy_event
-            entry.widened = entry.early.widened
-            entry.early = None
-            return
-        entry.d2h_event, _ = send_grad(entry, grad, stream, self.pin_cpu_grads)
-
-    def _step_device(self) -> None:
-        sub = self._device_sub
-        assert sub is not None
-        for entry in sub.entries:
-            if entry.master:
-                grad = entry.param.grad
-                entry.inner.grad = None if grad is None else grad.to(entry.inner.dtype)
-        sub.optimizer.step()
-        for entry in sub.entries:
-            if entry.master and entry.inner.grad is not None:
-                entry.param.copy_(entry.inner)
-                entry.note_param_written()
-                # The fp32 gradient is transient: freeing it keeps the device state at
-                # master + moments (12 bytes per parameter for AdamW).
-                entry.inner.grad = None

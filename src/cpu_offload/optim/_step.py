@@ -1,0 +1,180 @@
+"""The step of HybridDeviceOptimizer: the data path that moves and steps gradients.
+
+Gradient copies to the host started in backward (from a post-accumulate-grad hook) and
+checked in ``step()``, the gradients' way to the host optimizers, the device step queued
+while the host works, and the host buckets stepped and copied back.
+:class:`HybridStepper` holds these methods; ``HybridDeviceOptimizer`` (``_hybrid``) and
+its layout (``_build``) set up the attributes they read.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from cpu_offload._compat import is_current_stream_capturing
+
+from ._copies import send_grad, step_host_subs
+from ._entries import EarlyCopy, Entry, Sub
+from ._fingerprint import check_early_copies, fingerprint, keep_unchanged_early_copies
+from ._forward_overlap import ForwardOverlap
+
+__all__ = ["HybridStepper"]
+
+
+class HybridStepper(torch.optim.Optimizer):
+    """Base class of :class:`~cpu_offload.optim.HybridDeviceOptimizer`: its step.
+
+    The attributes below are set by ``HybridDeviceOptimizer.__init__`` and ``_build``.
+    """
+
+    pin_cpu_grads: bool
+    overlap_cpu_optimizer_d2h_h2d: bool
+    early_grad_copy: bool
+    last_step_timings: dict[str, float]
+    _executor: ThreadPoolExecutor | None
+    _generation: int
+    _entries: list[Entry]
+    _host_subs: list[Sub]
+    _device_sub: Sub | None
+    _cuda_device: torch.device | None
+    _d2h_stream: torch.cuda.Stream | None
+    _h2d_stream: torch.cuda.Stream | None
+    _overlap: ForwardOverlap | None
+
+    # Gradients smaller than this are copied in step(), not from backward: checking an
+    # early copy costs a few kernel launches, more than copying a small gradient again.
+    _early_min_numel = 1 << 19
+
+    # ------------------------------------------------------------------ early copies
+
+    def _worker(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            # One thread: widening tasks of one entry must run in submission order.
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="cpu_offload_hdo")
+            weakref.finalize(self, self._executor.shutdown, wait=False)
+        return self._executor
+
+    def _on_grad_ready(self, entry: Entry, generation: int) -> None:
+        """Start an offloaded gradient's copy from backward (post-accumulate-grad hook)."""
+        if generation != self._generation:
+            return
+        if self._overlap is not None:
+            self._overlap.check_read(entry)
+            if not (self.overlap_cpu_optimizer_d2h_h2d and self.early_grad_copy):
+                return
+        grad = entry.param.grad
+        if grad is None or grad.is_sparse:
+            return
+        if grad.numel() < self._early_min_numel or is_current_stream_capturing():
+            return
+        # Taken on the stream that produced the gradient, so that it describes the
+        # gradient as backward left it: a change queued later (clipping on this stream)
+        # may race with the copy below, but then step() sees another fingerprint.
+        taken = fingerprint(grad)
+        stream = self._d2h_stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(grad.device))
+        event, widened = send_grad(entry, grad, stream, self.pin_cpu_grads, self._worker())
+        entry.early = EarlyCopy(weakref.ref(grad), grad._version, event, taken, widened)
+
+    # ------------------------------------------------------------------ the step
+
+    def _step_all(self) -> None:
+        t_start = time.perf_counter()
+        offloaded = [e for e in self._entries if e.offloaded]
+        early_candidates = sum(1 for e in offloaded if e.early is not None)
+        current = (
+            torch.cuda.current_stream(self._cuda_device) if self._cuda_device is not None else None
+        )
+        # Side streams in the overlapped mode, the current stream otherwise.
+        d2h = self._d2h_stream if self._d2h_stream is not None else current
+        h2d = self._h2d_stream if self._h2d_stream is not None else current
+        # Everything queued before step() (backward, clipping, ...): the gradient copies
+        # must come after it, and the copies back must not overwrite parameters it may
+        # still read. Recorded before the device step so that the copies back do not
+        # also wait for the device optimizer.
+        before_step = current.record_event() if current is not None else None
+
+        # 1. Which early copies still hold the gradient (the check queued first) ...
+        candidates, same, checked = check_early_copies(offloaded)
+
+        # 2. ... while the device part is queued, to run on the device as the host works.
+        if self._device_sub is not None:
+            self._step_device()
+        kept = keep_unchanged_early_copies(candidates, same, checked)
+        t_checked = time.perf_counter()
+
+        # 3. Gradients to the host, for every offloaded entry without a valid early copy,
+        #    in host-stepping order.
+        if self._d2h_stream is not None and before_step is not None:
+            self._d2h_stream.wait_event(before_step)
+        for sub in self._host_subs:
+            for entry in sub.entries:
+                self._take_grad(entry, d2h)
+
+        # 4. Host buckets: wait for their gradients, step, copy back (pipelined).
+        if self._h2d_stream is not None and before_step is not None:
+            self._h2d_stream.wait_event(before_step)
+        now, later = self._host_subs, []
+        if self._overlap is not None:
+            # Buckets of offloaded parameters are stepped after step() returns; the
+            # caller's host parameters (whose .grad the host optimizer reads) now.
+            later = [s for s in now if all(e.offloaded for e in s.entries)]
+            now = [s for s in now if s not in later]
+        host_timings = step_host_subs(now, h2d)
+        if later:
+            assert self._overlap is not None
+            self._overlap.submit(later, h2d)
+        elif self._h2d_stream is not None and current is not None:
+            # Whatever the caller queues next on the current stream sees the new values.
+            current.wait_stream(self._h2d_stream)
+        self.last_step_timings = {
+            "step_s": time.perf_counter() - t_start,
+            "check_s": t_checked - t_start,
+            **host_timings,
+            "host_numel": float(sum(e.param.numel() for e in self._entries if e.host)),
+            "early_copies": float(early_candidates),
+            "early_copies_reused": float(kept),
+        }
+
+    def _take_grad(self, entry: Entry, stream: torch.cuda.Stream | None) -> None:
+        """Start the gradient's way to the host optimizer (a copy unless early or host)."""
+        entry.widened = False
+        entry.d2h_event = None
+        grad = entry.param.grad
+        entry.has_grad = grad is not None
+        if not entry.offloaded:
+            # A host parameter: stepped in place, or through a host fp32 master.
+            if entry.master:
+                entry.inner.grad = None if grad is None else grad.to(entry.inner.dtype)
+            return
+        if grad is None:
+            entry.inner.grad = None
+            entry.early = None
+            return
+        if entry.early is not None:
+            entry.d2h_event = entry.early.copy_event
+            entry.widened = entry.early.widened
+            entry.early = None
+            return
+        entry.d2h_event, _ = send_grad(entry, grad, stream, self.pin_cpu_grads)
+
+    def _step_device(self) -> None:
+        sub = self._device_sub
+        assert sub is not None
+        for entry in sub.entries:
+            if entry.master:
+                grad = entry.param.grad
+                entry.inner.grad = None if grad is None else grad.to(entry.inner.dtype)
+        sub.optimizer.step()
+        for entry in sub.entries:
+            if entry.master and entry.inner.grad is not None:
+                entry.param.copy_(entry.inner)
+                entry.note_param_written()
+                # The fp32 gradient is transient: freeing it keeps the device state at
+                # master + moments (12 bytes per parameter for AdamW).
+                entry.inner.grad = None
