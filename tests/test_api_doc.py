@@ -30,6 +30,7 @@ DOCUMENTED = [
     (cpu_offload.plan, "Plan"),
     (cpu_offload.plan, "Profile"),
     (cpu_offload.plan, "LayerCost"),
+    (cpu_offload.plan, "HostCost"),
     (cpu_offload.plan, "Link"),
     (cpu_offload, "plan_pipeline_offload"),
     (cpu_offload, "PipelineStageOffload"),

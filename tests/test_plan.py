@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
 from cpu_offload.compare.simulate import LayerProfile, simulate
 from cpu_offload.plan.model import (
     Choice,
+    HostCost,
     LayerCost,
     Link,
     Profile,
@@ -101,6 +103,45 @@ def test_keep_and_recompute_by_hand() -> None:
     rec = estimate(profile, ["recompute", "keep", "keep"])
     assert rec.step_ms == 10.5
     assert rec.peak_bytes == 7 + 100 + 2000
+
+
+def test_the_host_bounds_a_step_whose_kernels_are_shorter_than_their_launches() -> None:
+    # Device 1 ms forward, 2 ms backward; the host takes 3 ms to enqueue either.
+    host = HostCost(
+        forward_ms=3.0,
+        backward_ms=3.0,
+        offload_forward_ms=0.5,
+        offload_backward_ms=0.25,
+        recompute_forward_ms=0.5,
+        recompute_backward_ms=2.0,
+    )
+    layer = LayerCost(1.0, 2.0, saved_bytes=100, offload_bytes=100, input_bytes=10, host=host)
+    profile = Profile((layer,) * 3, Link(1.0, 1.0), other_ms=0.5)
+    # Kept: six host-bound phases of 3 ms; the device ends with the host.
+    assert estimate(profile, ["keep"] * 3).step_ms == 6 * 3.0 + 0.5
+    # Offloading adds its host time in full (the copies hide behind the 1 ms forwards).
+    assert estimate(profile, ["offload", "keep", "keep"]).step_ms == 18.5 + 0.5 + 0.25
+    # Recomputing: 0.5 more to enqueue the forward, 2 ms more for the backward's.
+    assert estimate(profile, ["recompute", "keep", "keep"]).step_ms == 18.5 + 0.5 + 2.0
+    # Without the host's time the same layers give the device-bound model.
+    bare = Profile((replace(layer, host=None),) * 3, Link(1.0, 1.0), other_ms=0.5)
+    assert estimate(bare, ["keep"] * 3).step_ms == 9.5
+    # Where the device is slower than the host, the host's time is hidden.
+    slow = replace(host, forward_ms=0.5, backward_ms=0.5, offload_forward_ms=0.1)
+    fast_host = Profile((replace(layer, host=slow),) * 3, Link(1.0, 1.0), other_ms=0.5)
+    assert estimate(fast_host, ["keep"] * 3).step_ms == 9.5
+    assert estimate(fast_host, ["offload", "keep", "keep"]).step_ms == 9.5
+    # A head that is the device's work (2 ms, 0.5 ms to enqueue) lets the host get ahead:
+    # the backward's first layers spend that lead. Kept: forward 9, head ends at 11 with
+    # the host at 9.5; the backwards end at 13, 15.5 and 18.5.
+    headed = replace(profile, head_ms=2.0, head_host_ms=0.5)
+    assert estimate(headed, ["keep"] * 3).step_ms == 18.5 + 0.5
+
+
+def test_host_cost_per_choice_is_never_negative() -> None:
+    host = HostCost(1.0, 2.0, offload_forward_ms=0.5, recompute_backward_ms=1.5)
+    assert [host.forward(c) for c in Choice] == [1.0, 1.5, 1.0]
+    assert [host.backward(c) for c in Choice] == [2.0, 2.0, 3.5]
 
 
 def test_the_head_adds_to_what_the_layers_hold_at_the_end_of_the_forward() -> None:

@@ -157,6 +157,27 @@ def test_profile_bad_arguments(kwargs: dict, match: str) -> None:
         profile_model(model, lambda: model(_batches()[0]).sum(), **kwargs)
 
 
+def test_profile_measures_the_host_apart_when_asked() -> None:
+    # On the CPU stand-in both clocks are the wall clock: what is checked is that every
+    # choice's host time is measured, and that the model of keeping every layer is the
+    # plain step (the rest of the step fills what the layers leave).
+    model = _encoder()
+    x = _batches()[0]
+    profile = profile_model(
+        model, lambda: model(x).sum(), steps=2, host=True, min_tensor_size_to_offload=1024
+    )
+    hosts = [c.host for c in profile.layers]
+    assert all(h is not None for h in hosts)
+    for h in hosts:
+        assert h is not None and h.forward_ms > 0 and h.backward_ms > 0
+        assert min(vars(h).values()) >= 0
+    # Recomputing costs the host at least part of a forward again in backward.
+    assert sum(h.recompute_backward_ms for h in hosts if h is not None) > 0
+    assert profile_model(model, lambda: model(x).sum(), steps=1).layers[0].host is None
+    with pytest.raises(TypeError, match="host must be a bool or None"):
+        profile_model(model, lambda: model(x).sum(), host="yes")  # type: ignore[arg-type]
+
+
 def test_profile_step_that_skips_layers() -> None:
     model = _encoder()
     x = _batches()[0]

@@ -17,14 +17,14 @@ from cpu_offload.plan.io import (
     plan_to_dict,
     save_plan,
 )
-from cpu_offload.plan.model import Choice, LayerCost, Link, Profile
+from cpu_offload.plan.model import Choice, HostCost, LayerCost, Link, Profile
 from cpu_offload.plan.search import Plan, search
 
 
 def _plan() -> Plan:
     layers = (
         LayerCost(1.0, 2.0, 1000, 900, 100, recompute_ms=1.1, workspace_bytes=50),
-        LayerCost(1.5, 2.5, 2000, 2000, 100),
+        LayerCost(1.5, 2.5, 2000, 2000, 100, host=HostCost(0.5, 1.0, 0.25, 0.5, 0.1, 0.75)),
         LayerCost(1.0, 2.0, 1000, 900, 100),
     )
     profile = Profile(
@@ -34,6 +34,8 @@ def _plan() -> Plan:
         0.25,
         "a test device",
         head_bytes=321,
+        head_ms=1.5,
+        head_host_ms=0.25,
     )
     return search(profile, 3000)
 
@@ -55,9 +57,20 @@ def test_round_trip_keeps_plan_and_profile(tmp_path: Path) -> None:
 def test_a_file_written_before_the_head_was_measured_loads_with_none() -> None:
     data = plan_to_dict(_plan())
     assert data["profile"]["head_bytes"] == 321
-    del data["profile"]["head_bytes"]
+    del data["profile"]["head_bytes"], data["profile"]["head_ms"], data["profile"]["head_host_ms"]
     loaded = plan_from_dict(data)
     assert loaded.profile is not None and loaded.profile.head_bytes == 0
+    assert (loaded.profile.head_ms, loaded.profile.head_host_ms) == (0.0, 0.0)
+
+
+def test_a_file_written_before_the_host_was_measured_loads_with_none() -> None:
+    data = plan_to_dict(_plan())
+    assert data["profile"]["layers"][1]["host"]["offload_forward_ms"] == 0.25
+    assert data["profile"]["layers"][0]["host"] is None
+    del data["profile"]["layers"][1]["host"]
+    loaded = plan_from_dict(data)
+    assert loaded.profile is not None
+    assert [c.host for c in loaded.profile.layers] == [None, None, None]
 
 
 def test_round_trip_without_profile() -> None:
@@ -107,6 +120,14 @@ def _broken(edit) -> dict:  # type: ignore[no-untyped-def]
             "plan.profile.link.two_streams must be true or false",
         ),
         (lambda d: d["profile"]["layers"].pop(), "plan.profile.layers has 2 entries"),
+        (
+            lambda d: d["profile"]["layers"][1]["host"].update(recompute_backward_ms=-0.5),
+            r"plan.profile.layers\[1\].host.recompute_backward_ms must be >= 0",
+        ),
+        (
+            lambda d: d["profile"]["layers"][1]["host"].pop("forward_ms"),
+            r"missing field plan.profile.layers\[1\].host.forward_ms",
+        ),
     ],
 )
 def test_bad_fields_are_named(edit, match: str) -> None:  # type: ignore[no-untyped-def]

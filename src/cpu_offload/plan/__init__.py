@@ -11,7 +11,7 @@ from __future__ import annotations
 from .apply import apply_plan
 from .budget import BudgetCheck, PlanOverBudget
 from .io import PlanFileError, load_plan, save_plan
-from .model import Choice, Estimate, LayerCost, Link, Profile, estimate
+from .model import Choice, Estimate, HostCost, LayerCost, Link, Profile, estimate
 from .profile import profile_model
 from .search import NoPlanFits, Plan, best_single_methods, search, single_methods
 
@@ -19,6 +19,7 @@ __all__ = [
     "BudgetCheck",
     "Choice",
     "Estimate",
+    "HostCost",
     "LayerCost",
     "Link",
     "NoPlanFits",

@@ -11,9 +11,10 @@ import json
 import math
 import os
 from collections.abc import Mapping
+from dataclasses import asdict, fields
 from typing import Any
 
-from .model import Choice, LayerCost, Link, Profile, check_choices  # noqa: F401 (examples)
+from .model import Choice, HostCost, LayerCost, Link, Profile, check_choices  # noqa: F401
 from .search import Plan
 
 __all__ = [
@@ -42,6 +43,8 @@ def _profile_to_dict(profile: Profile) -> dict[str, Any]:
         "static_bytes": profile.static_bytes,
         "other_ms": profile.other_ms,
         "head_bytes": profile.head_bytes,
+        "head_ms": profile.head_ms,
+        "head_host_ms": profile.head_host_ms,
         "link": {
             "d2h_gbps": profile.link.d2h_gbps,
             "h2d_gbps": profile.link.h2d_gbps,
@@ -57,6 +60,7 @@ def _profile_to_dict(profile: Profile) -> dict[str, Any]:
                 "offload_bytes": c.offload_bytes,
                 "input_bytes": c.input_bytes,
                 "workspace_bytes": c.workspace_bytes,
+                "host": None if c.host is None else asdict(c.host),
             }
             for c in profile.layers
         ],
@@ -144,6 +148,10 @@ class _Reader:
         return _Reader(self._get(key), f"{self.path}.{key}")
 
 
+def _host_from(r: _Reader) -> HostCost:
+    return HostCost(**{f.name: r.number(f.name) for f in fields(HostCost)})
+
+
 def _profile_from(r: _Reader) -> Profile:
     link = r.child("link")
     layers = []
@@ -157,6 +165,8 @@ def _profile_from(r: _Reader) -> Profile:
             offload_bytes=lr.count("offload_bytes"),
             input_bytes=lr.count("input_bytes"),
             workspace_bytes=lr.count("workspace_bytes"),
+            # Absent from files written before the host's time was measured.
+            host=_host_from(lr.child("host")) if lr.data.get("host") is not None else None,
         )
         if cost.offload_bytes > cost.saved_bytes:
             raise PlanFileError(
@@ -177,6 +187,9 @@ def _profile_from(r: _Reader) -> Profile:
         device=r.text("device"),
         # Absent from files written before the head was measured.
         head_bytes=r.count("head_bytes") if "head_bytes" in r.data else 0,
+        # Absent from files written before the head's time was modelled apart.
+        head_ms=r.number("head_ms") if "head_ms" in r.data else 0.0,
+        head_host_ms=r.number("head_host_ms") if "head_host_ms" in r.data else 0.0,
     )
 
 

@@ -10,6 +10,12 @@ releases its memory. Recomputed layers keep their input from their forward to th
 backward, where their forward runs again just before their backward. Between the last
 layer's forward and its backward, the output head and the loss take their own memory
 (:attr:`Profile.head_bytes`) on top of what the layers hold.
+
+Where the profile knows the host's time (:class:`HostCost`), a fourth lane replays it:
+the host enqueues each layer's work and the compute stream runs it, no sooner than it was
+enqueued. On models whose kernels are shorter than their launches the host bounds the
+step, and what offloading and recomputation add to it (hooks, copies to launch, a
+forward run again) counts in full, as it does in the measured step.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from ..v2.schedule import Point, Schedule, SyncDict, validate_synchronization_di
 __all__ = [
     "Choice",
     "Estimate",
+    "HostCost",
     "LayerCost",
     "Link",
     "Profile",
@@ -43,8 +50,55 @@ class Choice(str, enum.Enum):
 
 
 @dataclass(frozen=True)
+class HostCost:
+    """The host's time for one layer's work (ms): Python, autograd and kernel launches.
+
+    Every field is at least 0.
+
+    Attributes:
+        forward_ms: The forward of a kept layer.
+        backward_ms: The backward of a kept layer.
+        offload_forward_ms: What offloading adds to the forward (the saved-tensor hooks,
+            the copies to queue).
+        offload_backward_ms: What offloading adds to the backward (the reloads to queue,
+            the tensors to rebuild).
+        recompute_forward_ms: What recomputing adds to the forward (the checkpoint's
+            hooks).
+        recompute_backward_ms: What recomputing adds to the backward: the forward run
+            again, and the checkpoint's unpacking.
+    """
+
+    forward_ms: float
+    backward_ms: float
+    offload_forward_ms: float = 0.0
+    offload_backward_ms: float = 0.0
+    recompute_forward_ms: float = 0.0
+    recompute_backward_ms: float = 0.0
+
+    def forward(self, choice: Choice) -> float:
+        """Host time of the layer's forward under ``choice``."""
+        extra = {
+            Choice.OFFLOAD: self.offload_forward_ms,
+            Choice.RECOMPUTE: self.recompute_forward_ms,
+        }.get(choice, 0.0)
+        return max(self.forward_ms + extra, 0.0)
+
+    def backward(self, choice: Choice) -> float:
+        """Host time of the layer's backward (with its recomputation) under ``choice``."""
+        extra = {
+            Choice.OFFLOAD: self.offload_backward_ms,
+            Choice.RECOMPUTE: self.recompute_backward_ms,
+        }.get(choice, 0.0)
+        return max(self.backward_ms + extra, 0.0)
+
+
+@dataclass(frozen=True)
 class LayerCost:
     """What one layer costs in one training step.
+
+    With :attr:`host` set, the times are the device's alone (the compute stream's, with
+    the host far ahead) and ``host`` holds the host's; without it, each time is what the
+    layer took in a plain step, host and device together.
 
     Attributes:
         forward_ms: Forward time.
@@ -55,6 +109,7 @@ class LayerCost:
         recompute_ms: Forward time when recomputed in backward (``forward_ms`` if None).
         workspace_bytes: Temporary memory at the peak of the layer's forward or backward,
             beyond what it saves.
+        host: The host's time for the layer's work, if measured.
     """
 
     forward_ms: float
@@ -64,6 +119,7 @@ class LayerCost:
     input_bytes: int
     recompute_ms: float | None = None
     workspace_bytes: int = 0
+    host: HostCost | None = None
 
     @property
     def rerun_ms(self) -> float:
@@ -124,6 +180,11 @@ class Profile:
         head_bytes: Memory the part of the step between the last layer's forward and its
             backward (the output head and the loss) takes at its peak, above what the
             layers hold then. With a large vocabulary the step's peak falls there.
+        head_ms: The device's time for that part, where it is modelled apart from
+            ``other_ms`` (with the host's time, :class:`HostCost`); 0 otherwise.
+        head_host_ms: The host's time for that part. Where the head is the device's
+            work (a large vocabulary), the host gets ahead there, and the backward's
+            first layers spend that lead.
     """
 
     layers: tuple[LayerCost, ...]
@@ -132,6 +193,8 @@ class Profile:
     other_ms: float = 0.0
     device: str = ""
     head_bytes: int = 0
+    head_ms: float = 0.0
+    head_host_ms: float = 0.0
 
     @property
     def num_layers(self) -> int:
@@ -285,10 +348,11 @@ class _Copies:
 
 
 class _Timeline:
-    """Compute-stream time and device memory of the step being replayed."""
+    """Compute-stream and host time, and device memory, of the step being replayed."""
 
     def __init__(self, profile: Profile) -> None:
         self.t = 0.0
+        self.host = 0.0
         self.mem = 0
         self.peak = 0
         self.stall = 0.0
@@ -301,10 +365,16 @@ class _Timeline:
     def free(self, nbytes: int) -> None:
         self.mem -= nbytes
 
-    def compute(self, ms: float, workspace: int) -> tuple[float, float]:
+    def compute(self, ms: float, workspace: int, host_ms: float = 0.0) -> tuple[float, float]:
+        """Run ``ms`` of device work that the host takes ``host_ms`` to enqueue.
+
+        The stream starts it no sooner than the host starts enqueuing it, and ends it no
+        sooner than the host has enqueued all of it.
+        """
         self.peak = max(self.peak, self.mem + workspace)
-        start = self.t
-        self.t += ms
+        start = max(self.t, self.host)
+        self.host += host_ms
+        self.t = max(start + ms, self.host)
         return start, self.t
 
     def wait_for(self, job: int) -> None:
@@ -354,33 +424,45 @@ def estimate(profile: Profile, choices: Sequence[object]) -> Estimate:
             tl.alloc(layers[i].offload_bytes)
             reload_job[i] = tl.copies.queue("h2d", tl.t, layers[i].offload_bytes, 0.0)
 
+    def host_fwd(cost: LayerCost, choice: Choice) -> float:
+        return 0.0 if cost.host is None else cost.host.forward(choice)
+
+    def host_bwd(cost: LayerCost, choice: Choice) -> float:
+        return 0.0 if cost.host is None else cost.host.backward(choice)
+
     for j, (cost, choice) in enumerate(zip(layers, plan, strict=True)):
         run_point(Point(True, j))
         if choice is Choice.RECOMPUTE:
             # The layer's saved tensors live only during its forward.
             tl.alloc(cost.input_bytes)
-            tl.compute(cost.forward_ms, cost.recompute_alloc_bytes + cost.workspace_bytes)
+            tl.compute(
+                cost.forward_ms,
+                cost.recompute_alloc_bytes + cost.workspace_bytes,
+                host_fwd(cost, choice),
+            )
             continue
         tl.alloc(cost.saved_bytes)
-        start, end = tl.compute(cost.forward_ms, cost.workspace_bytes)
+        start, end = tl.compute(cost.forward_ms, cost.workspace_bytes, host_fwd(cost, choice))
         if choice is Choice.OFFLOAD:
             # Each tensor's copy may start once it is saved; the last ends after the layer.
             tl.copies.run_until(start)
             offload_job[j] = tl.copies.queue("d2h", start, cost.offload_bytes, end)
     # The head and the loss run on what the layers hold at the end of the forward.
     tl.alloc(profile.head_bytes)
+    tl.compute(profile.head_ms, 0, profile.head_host_ms)
     tl.free(profile.head_bytes)
     for j in reversed(range(n)):
         cost, choice = layers[j], plan[j]
         run_point(Point(False, j))
         if choice is Choice.RECOMPUTE:
             tl.alloc(cost.recompute_alloc_bytes)
-            tl.compute(cost.rerun_ms, cost.workspace_bytes)
-            tl.compute(cost.backward_ms, cost.workspace_bytes)
+            tl.compute(
+                cost.rerun_ms + cost.backward_ms, cost.workspace_bytes, host_bwd(cost, choice)
+            )
             tl.free(cost.recompute_alloc_bytes + cost.input_bytes)
             continue
         if choice is Choice.OFFLOAD:
             tl.wait_for(reload_job[j])
-        tl.compute(cost.backward_ms, cost.workspace_bytes)
+        tl.compute(cost.backward_ms, cost.workspace_bytes, host_bwd(cost, choice))
         tl.free(cost.saved_bytes)
     return Estimate(tl.t + profile.other_ms, profile.static_bytes + tl.peak, tl.stall)

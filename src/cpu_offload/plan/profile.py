@@ -1,14 +1,21 @@
 """Measuring what the planner needs, in one short run of the user's own training step.
 
-Hooks on the layers record, per layer: forward and backward time (CUDA events on a GPU,
-the wall clock on the CPU), the bytes autograd saves (distinct storages, parameters
-excluded) and the part of them the engine would offload (its own selection policy and
-tensor grouping, at the same threshold), the layer's input, the temporary memory of its
-forward and backward, and that of the output head and loss (GPU only). Steps without
-hooks, keeping every layer and recomputing every layer, give the step time the hooks'
-per-layer times are scaled to, and the total cost of recomputation, shared out by
-forward time. The link is measured with pinned copies on streams (on the CPU stand-in:
-copies between host tensors).
+Hooks on the layers (:mod:`._probe`) record, per layer: forward and backward time, the
+bytes autograd saves (distinct storages, parameters excluded) and the part of them the
+engine would offload (its own selection policy and tensor grouping, at the same
+threshold), the layer's input, the temporary memory of its forward and backward, and
+that of the output head and loss (GPU only). The link is measured with pinned copies on
+streams (on the CPU stand-in: copies between host tensors).
+
+Times are measured one of two ways:
+
+* *Host and device apart* (the default on CUDA): the host's time per layer (hooks on the
+  wall clock) and the device's (CUDA events, the stream held back until the host has
+  enqueued the layer), for kept layers, for every layer recomputed, and for half the
+  layers offloaded: what recomputing and offloading add on each side.
+* *Together* (the CPU stand-in, or ``host=False``): one time per layer, scaled to a step
+  run without hooks; recomputation's cost from a step with every layer recomputed,
+  shared out by forward time; offloading adds no compute time.
 """
 
 from __future__ import annotations
@@ -17,231 +24,27 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from .._layer_stack import find_layers
-from ..compare._profile import saved_bytes
 from ..engine.selection import ActivationPolicy
 from ..v2.context import DEFAULT_MIN_TENSOR_SIZE
-from .model import LayerCost, Link, Profile
+from ._probe import (
+    Clock,
+    StepTimes,
+    median_times,
+    plain_step_ms,
+    scaled_times,
+    sleep_cycles,
+    timed_step,
+)
+from .model import Choice, HostCost, LayerCost, Link, Profile, estimate
 
 __all__ = ["measure_choices", "measure_host_link", "profile_model"]
-
-
-class _Clock:
-    """Timestamps on the compute stream (CUDA events) or the wall clock."""
-
-    def __init__(self, cuda: bool) -> None:
-        self.cuda = cuda
-
-    def now(self) -> object:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def ms(self, start: object, end: object) -> float:
-        if self.cuda:
-            return float(start.elapsed_time(end))  # type: ignore[attr-defined]
-        return (end - start) * 1e3  # type: ignore[operator]
-
-
-def _first_tensor(value: object) -> torch.Tensor | None:
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, (tuple, list)):
-        for item in value:
-            found = _first_tensor(item)
-            if found is not None:
-                return found
-    if isinstance(value, dict):
-        return _first_tensor(list(value.values()))
-    to_tuple = getattr(value, "to_tuple", None)  # Hugging Face ModelOutput
-    return _first_tensor(to_tuple()) if callable(to_tuple) else None
-
-
-class _Probe:
-    """Hooks on every layer: timestamps, and optionally saved tensors and memory peaks."""
-
-    def __init__(
-        self,
-        layers: Sequence[nn.Module],
-        clock: _Clock,
-        policy: ActivationPolicy | None = None,
-    ) -> None:
-        self.layers = layers
-        self.clock = clock
-        self.policy = policy
-        self.capture = policy is not None
-        self.fwd: list[list[object]] = [[] for _ in layers]  # start, end
-        self.bwd_start: list[object | None] = [None] * len(layers)
-        self.saved: list[list[torch.Tensor]] = [[] for _ in layers]
-        #: (distinct bytes saved, bytes the engine would offload) per layer.
-        self.saved_bytes = [(0, 0)] * len(layers)
-        self.input_bytes = [0] * len(layers)
-        self.workspace = [0] * len(layers)
-        #: Peak memory of the head and loss above what the layers hold (GPU only).
-        self.head_bytes = 0
-        self._head_from: int | None = None
-        self._saving: Any = None
-        self._mem_at = 0
-        self._bwd_open: int | None = None
-        self.handles: list[Any] = []
-        for j, layer in enumerate(layers):
-            self.handles.append(layer.register_forward_pre_hook(self._pre(j), with_kwargs=True))
-            self.handles.append(layer.register_forward_hook(self._post(j), with_kwargs=True))
-
-    def _memory_mark(self) -> int:
-        if not (self.capture and self.clock.cuda):
-            return 0
-        torch.cuda.reset_peak_memory_stats()
-        return torch.cuda.memory_allocated()
-
-    def _pre(self, j: int) -> Callable[..., None]:
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if not torch.is_grad_enabled():
-                return
-            self.fwd[j] = [self.clock.now()]
-            x = _first_tensor(args)
-            x = x if x is not None else _first_tensor(kwargs)
-            self.input_bytes[j] = 0 if x is None else x.numel() * x.element_size()
-            self._mem_at = self._memory_mark()
-            if self.capture:
-                into = self.saved[j]
-
-                def pack(t: torch.Tensor) -> torch.Tensor:
-                    into.append(t)
-                    return t
-
-                self._saving = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-                self._saving.__enter__()
-
-        return hook
-
-    def _post(self, j: int) -> Callable[..., None]:
-        def hook(module: nn.Module, args: tuple, kwargs: dict, out: object) -> None:
-            if not torch.is_grad_enabled():
-                return
-            if self._saving is not None:
-                self._saving.__exit__(None, None, None)
-                self._saving = None
-                # Counted now and let go: backward frees them as it would without us.
-                assert self.policy is not None
-                self.saved_bytes[j] = saved_bytes(self.saved[j], self.policy)
-                self.saved[j] = []
-            if self.capture and self.clock.cuda:
-                # What the forward held at its peak beyond what it left allocated.
-                peak = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
-                self.workspace[j] = max(self.workspace[j], peak)
-            if j == len(self.layers) - 1 and self.capture and self.clock.cuda:
-                self._head_from = self._memory_mark()
-            self.fwd[j].append(self.clock.now())
-            y = _first_tensor(out)
-            if y is not None and y.grad_fn is not None:
-                y.grad_fn.register_prehook(self._backward(j))
-
-        return hook
-
-    def _backward(self, j: int) -> Callable[..., None]:
-        def hook(*_: object) -> None:
-            if self._head_from is not None:
-                # The last layer's backward begins: the head and the loss are done.
-                self.head_bytes = torch.cuda.max_memory_allocated() - self._head_from
-                self._head_from = None
-            self._close_backward()
-            self.bwd_start[j] = self.clock.now()
-            self._bwd_open = j
-            self._mem_at = self._memory_mark()
-
-        return hook
-
-    def _close_backward(self) -> None:
-        if self._bwd_open is not None and self.capture and self.clock.cuda:
-            peak = torch.cuda.max_memory_allocated() - self._mem_at
-            self.workspace[self._bwd_open] = max(self.workspace[self._bwd_open], peak)
-        self._bwd_open = None
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-
-
-def _timed_step(
-    layers: Sequence[nn.Module],
-    step: Callable[[], torch.Tensor],
-    clock: _Clock,
-    policy: ActivationPolicy | None = None,
-) -> tuple[_Probe, float, list[float], list[float]]:
-    """One forward and backward: the probe, step ms, forward ms and backward ms per layer.
-
-    With a ``policy`` the probe also counts saved bytes and (on CUDA) memory peaks.
-    """
-    probe = _Probe(layers, clock, policy)
-    try:
-        if clock.cuda:
-            torch.cuda.synchronize()
-        start = clock.now()
-        loss = step()
-        loss.backward()
-        probe._close_backward()
-        end = clock.now()
-        if clock.cuda:
-            torch.cuda.synchronize()
-    finally:
-        probe.remove()
-    n = len(layers)
-    if any(len(f) != 2 for f in probe.fwd) or any(b is None for b in probe.bwd_start):
-        raise ValueError(
-            "profile_model: the step did not run every layer's forward and backward once "
-            "with grad enabled (step() must run the model's forward and return the loss)"
-        )
-    fwd = [clock.ms(f[0], f[1]) for f in probe.fwd]
-    # Layer j's backward ends where layer j-1's starts; layer 0's with the step.
-    ends = [probe.bwd_start[j - 1] if j > 0 else end for j in range(n)]
-    bwd = [clock.ms(probe.bwd_start[j], ends[j]) for j in range(n)]
-    return probe, clock.ms(start, end), fwd, bwd
-
-
-def _scaled_times(
-    fwd: list[float], bwd: list[float], probed_ms: float, plain_ms: float
-) -> tuple[list[float], list[float], float]:
-    """Per-layer times scaled so that they and the rest of the step add up to ``plain_ms``.
-
-    The hooks that time each layer add host time; where the host bounds the step, that
-    lengthens the layers' times. Scaling them by ``plain_ms / probed_ms`` keeps their
-    proportions and makes the model of keeping every layer the step measured without
-    hooks.
-
-    Returns:
-        ``(forward ms, backward ms, other ms)``.
-
-    Example:
-        >>> _scaled_times([2.0], [4.0], 10.0, 5.0)
-        ([1.0], [2.0], 2.0)
-    """
-    scale = plain_ms / probed_ms if probed_ms > 0 else 1.0
-    fwd = [f * scale for f in fwd]
-    bwd = [b * scale for b in bwd]
-    return fwd, bwd, max(plain_ms - sum(fwd) - sum(bwd), 0.0)
-
-
-def _plain_step_ms(step: Callable[[], torch.Tensor], clock: _Clock, steps: int) -> float:
-    """Median time of ``steps`` forward and backward passes, with no hooks of ours."""
-    times = []
-    for _ in range(steps):
-        if clock.cuda:
-            torch.cuda.synchronize()
-        start = clock.now()
-        step().backward()
-        end = clock.now()
-        if clock.cuda:
-            torch.cuda.synchronize()
-        times.append(clock.ms(start, end))
-    return statistics.median(times)
 
 
 def _with_grads(
@@ -315,6 +118,7 @@ def profile_model(
     min_tensor_size_to_offload: int = DEFAULT_MIN_TENSOR_SIZE,
     recompute: bool = True,
     link: Link | None = None,
+    host: bool | None = None,
 ) -> Profile:
     """Measure the layers of a model in a few training steps, for the planner.
 
@@ -333,6 +137,10 @@ def profile_model(
         recompute: Also time a run with every layer recomputed (else recomputation is
             taken to cost one forward).
         link: The link's figures, if already known (measured otherwise).
+        host: Measure the host's time apart from the device's (:class:`HostCost` on
+            every layer), with runs of every layer recomputed and of half the layers
+            offloaded; None: on CUDA only. On the CPU stand-in both clocks are the wall
+            clock, and what offloading adds includes its copies.
 
     Returns:
         The profile.
@@ -340,6 +148,7 @@ def profile_model(
     Raises:
         ValueError: If ``steps < 1`` or ``warmup < 0``, or a step does not run every
             layer once.
+        TypeError: If ``host`` is not a bool or None.
 
     Example:
         >>> layers = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(3)])
@@ -352,62 +161,194 @@ def profile_model(
         raise ValueError(f"steps must be an int >= 1, got {steps!r}")
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
+    if host is not None and not isinstance(host, bool):
+        raise TypeError(f"host must be a bool or None, got {type(host).__name__}")
     layers = find_layers(model_or_layers)
     params = _with_grads(model_or_layers, layers)
     device = params[0].device if params else torch.device("cpu")
     cuda = device.type == "cuda"
-    clock = _Clock(cuda)
+    clock = Clock(cuda)
     for _ in range(warmup):
-        _timed_step(layers, step, clock)
-    runs = [_timed_step(layers, step, clock) for _ in range(steps)]
-    fwd = [statistics.median(r[2][j] for r in runs) for j in range(len(layers))]
-    bwd = [statistics.median(r[3][j] for r in runs) for j in range(len(layers))]
-    # The hooks' own time is not the model's: scale the per-layer times to a step run
-    # without them (see _scaled_times).
-    plain_ms = _plain_step_ms(step, clock, steps)
-    fwd, bwd, other_ms = _scaled_times(fwd, bwd, statistics.median(r[1] for r in runs), plain_ms)
+        timed_step(layers, step, clock)
+    runs = [timed_step(layers, step, clock)[1] for _ in range(steps)]
+    plain_ms = plain_step_ms(step, clock, steps)
 
     static = torch.cuda.memory_allocated() if cuda else 0
     # The engine's own selection at the same threshold: what offloading would move.
     policy = ActivationPolicy(min_tensor_size_to_offload, lambda t: t.device.type == device.type)
-    probe, *_ = _timed_step(layers, step, clock, policy)
+    probe, _ = timed_step(layers, step, clock, policy)
     saved = probe.saved_bytes
-
-    rerun: list[float | None] = [None] * len(layers)
-    if recompute:
-        from ..layers import offload_layers
-
-        with offload_layers(layers, offloaded=(), recomputed=range(len(layers))):
-            _plain_step_ms(step, clock, 1)
-            recompute_all_ms = _plain_step_ms(step, clock, steps)
-        # Recomputation's cost measured as a whole (its per-layer share is too small to
-        # time alone), shared out by forward time.
-        extra = max(recompute_all_ms - plain_ms, 0.0)
-        total_fwd = sum(fwd) or 1.0
-        rerun = [extra * f / total_fwd for f in fwd]
-    costs = tuple(
+    costs = [
         LayerCost(
-            forward_ms=fwd[j],
-            backward_ms=bwd[j],
+            forward_ms=0.0,
+            backward_ms=0.0,
             saved_bytes=saved[j][0],
             offload_bytes=saved[j][1],
             input_bytes=probe.input_bytes[j],
-            recompute_ms=rerun[j],
             workspace_bytes=probe.workspace[j],
         )
         for j in range(len(layers))
-    )
+    ]
     if link is None:
         link = _cuda_link() if cuda else measure_host_link()
-    name = torch.cuda.get_device_name(device) if cuda else "cpu (CPU stand-in)"
-    return Profile(
-        costs,
+    profile = Profile(
+        (),
         link,
         static_bytes=static,
-        other_ms=other_ms,
-        device=name,
+        device=torch.cuda.get_device_name(device) if cuda else "cpu (CPU stand-in)",
         head_bytes=probe.head_bytes,
     )
+    timing = _HostAndDevice if (cuda if host is None else host) else _Together
+    measured = timing(layers, step, clock, steps, runs, plain_ms, min_tensor_size_to_offload)
+    return measured.profile(profile, costs, recompute)
+
+
+class _Together:
+    """One time per layer: host and device together, as a plain step shows them."""
+
+    def __init__(
+        self,
+        layers: Sequence[nn.Module],
+        step: Callable[[], torch.Tensor],
+        clock: Clock,
+        steps: int,
+        runs: list[StepTimes],
+        plain_ms: float,
+        min_tensor_size_to_offload: int,
+    ) -> None:
+        self.layers, self.step, self.clock, self.steps = layers, step, clock, steps
+        self.runs, self.plain_ms = runs, plain_ms
+        self.min_tensor_size_to_offload = min_tensor_size_to_offload
+
+    def _under(self, runs: int, **kwargs: Any) -> list[StepTimes]:
+        """``runs`` probed steps under :func:`cpu_offload.offload_layers` (one warm-up)."""
+        from ..layers import offload_layers
+
+        if kwargs.get("offloaded"):
+            kwargs["min_tensor_size_to_offload"] = self.min_tensor_size_to_offload
+        with offload_layers(self.layers, **kwargs):
+            timed_step(self.layers, self.step, self.clock)
+            return [timed_step(self.layers, self.step, self.clock)[1] for _ in range(runs)]
+
+    def profile(self, base: Profile, costs: list[LayerCost], recompute: bool) -> Profile:
+        n = len(self.layers)
+        fwd, bwd, other_ms = scaled_times(
+            median_times(self.runs, "forward"),
+            median_times(self.runs, "backward"),
+            statistics.median(r.step_ms for r in self.runs),
+            self.plain_ms,
+        )
+        rerun: list[float | None] = [None] * n
+        if recompute:
+            from ..layers import offload_layers
+
+            with offload_layers(self.layers, offloaded=(), recomputed=range(n)):
+                plain_step_ms(self.step, self.clock, 1)
+                recompute_all_ms = plain_step_ms(self.step, self.clock, self.steps)
+            # Recomputation's cost measured as a whole (its per-layer share is too small
+            # to time alone), shared out by forward time.
+            extra = max(recompute_all_ms - self.plain_ms, 0.0)
+            total_fwd = sum(fwd) or 1.0
+            rerun = [extra * f / total_fwd for f in fwd]
+        layers = tuple(
+            replace(c, forward_ms=fwd[j], backward_ms=bwd[j], recompute_ms=rerun[j])
+            for j, c in enumerate(costs)
+        )
+        return replace(base, layers=layers, other_ms=other_ms)
+
+
+class _HostAndDevice(_Together):
+    """The host's time and the device's apart, for each choice (see the module's notes)."""
+
+    def _device_times(self, host_runs: list[StepTimes], **kwargs: Any) -> list[StepTimes]:
+        """Steps with the stream held back before each layer: the device's own times."""
+        if not self.clock.cuda:
+            return host_runs  # the CPU stand-in's device is the host
+        host_ms = [
+            max(f, b)
+            for f, b in zip(
+                median_times(host_runs, "host_forward"),
+                median_times(host_runs, "host_backward"),
+                strict=True,
+            )
+        ]
+        from ..layers import offload_layers
+
+        with offload_layers(self.layers, **kwargs):
+            sleep = sleep_cycles(host_ms)
+            return [
+                timed_step(self.layers, self.step, self.clock, sleep=sleep)[1]
+                for _ in range(self.steps)
+            ]
+
+    def profile(self, base: Profile, costs: list[LayerCost], recompute: bool) -> Profile:
+        n = len(self.layers)
+        keep = {"offloaded": (), "recomputed": ()}
+        host_f = median_times(self.runs, "host_forward")
+        host_b = median_times(self.runs, "host_backward")
+        device = self._device_times(self.runs, **keep)
+        dev_f = median_times(device, "forward")
+        dev_b = median_times(device, "backward")
+        host = HostCost(forward_ms=0.0, backward_ms=0.0)
+        rerun = list(dev_f)
+        if recompute:
+            every = {"offloaded": (), "recomputed": range(n)}
+            runs = self._under(self.steps, **every)
+            rerun = [
+                max(b - kb, 0.0)
+                for b, kb in zip(
+                    median_times(self._device_times(runs, **every), "backward"), dev_b, strict=True
+                )
+            ]
+            host = replace(
+                host,
+                recompute_forward_ms=_extra(runs, "host_forward", host_f, n),
+                recompute_backward_ms=_extra(runs, "host_backward", host_b, n),
+            )
+        if n > 1:
+            # Half the layers (at least one, never the last) through the engine: the
+            # schedule puts their reloads in other layers' backward, so the host time
+            # they add is counted over the whole step and shared out per offloaded layer.
+            m = max(n // 2, 1)
+            runs = self._under(self.steps, offloaded=range(m), recomputed=())
+            host = replace(
+                host,
+                offload_forward_ms=_extra(runs, "host_forward", host_f, m),
+                offload_backward_ms=_extra(runs, "host_backward", host_b, m),
+            )
+        layers = tuple(
+            replace(
+                c,
+                forward_ms=dev_f[j],
+                backward_ms=dev_b[j],
+                recompute_ms=rerun[j],
+                host=replace(
+                    host,
+                    forward_ms=host_f[j],
+                    backward_ms=host_b[j],
+                    # Not measured: a recomputation takes the host one forward again.
+                    recompute_backward_ms=host.recompute_backward_ms if recompute else host_f[j],
+                ),
+            )
+            for j, c in enumerate(costs)
+        )
+        modelled = replace(
+            base,
+            layers=layers,
+            head_ms=statistics.median(r.head_ms for r in device),
+            head_host_ms=statistics.median(r.host_head_ms for r in self.runs),
+        )
+        # What the layers leave out of a plain step (embedding, head, loss) is its rest.
+        kept = estimate(modelled, [Choice.KEEP] * n).step_ms
+        return replace(modelled, other_ms=max(self.plain_ms - kept, 0.0))
+
+
+def _extra(runs: list[StepTimes], field: str, base: list[float], per: int) -> float:
+    """Host time ``runs`` took beyond ``base`` over the whole step, per ``per`` layers.
+
+    At least 0: a difference below 0 is the host's noise, not a saving.
+    """
+    return max((sum(median_times(runs, field)) - sum(base)) / per, 0.0)
 
 
 def measure_choices(
@@ -452,7 +393,7 @@ def measure_choices(
     recomputed = [j for j, c in enumerate(plan) if c is Choice.RECOMPUTE]
     params = _with_grads(model_or_layers, layers)
     cuda = any(p.is_cuda for p in params)
-    clock = _Clock(cuda)
+    clock = Clock(cuda)
     times = []
     with offload_layers(layers, offloaded=offloaded, recomputed=recomputed, **context_kwargs):
         for i in range(warmup + steps):

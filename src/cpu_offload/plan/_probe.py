@@ -1,0 +1,339 @@
+"""Hooks that time each layer of a training step, and count what it saves.
+
+A probed step gives, per layer, the forward and backward time on the clock of the
+device (CUDA events, or the wall clock on the CPU) and on the host's wall clock
+(``time.perf_counter`` in the hooks: how long the host took to get through the layer's
+Python, autograd and kernel launches). Where the host bounds a step, the two agree; to
+see the device's own time there, a probed step may first hold the compute stream back
+(``torch.cuda._sleep``) before each layer, so that the host has enqueued the whole layer
+before the stream reaches it (NOTE [Device time under a host-bound step]).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._compat import in_backward
+from ..compare._profile import saved_bytes
+from ..engine.selection import ActivationPolicy
+
+__all__ = [
+    "Clock",
+    "Probe",
+    "StepTimes",
+    "median_times",
+    "plain_step_ms",
+    "scaled_times",
+    "sleep_cycles",
+    "timed_step",
+]
+
+# NOTE [Device time under a host-bound step]
+# CUDA events recorded around a layer measure when the stream reached them. If the host
+# enqueues the layer's kernels more slowly than the GPU runs them, the stream waits for
+# the host between kernels and the events measure the host. A probe that queues a
+# ``torch.cuda._sleep`` of about the layer's host time (and a margin) just before the
+# layer's start event lets the host enqueue the whole layer while the stream sleeps: the
+# events then measure the kernels back to back, the device's time alone. The host never
+# waits for the device in the step (no synchronization), so its time is measured in a
+# step without the sleeps.
+
+
+class Clock:
+    """Timestamps on the compute stream (CUDA events) or the wall clock."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+
+    def now(self) -> object:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def ms(self, start: object, end: object) -> float:
+        if self.cuda:
+            return float(start.elapsed_time(end))  # type: ignore[attr-defined]
+        return (end - start) * 1e3  # type: ignore[operator]
+
+
+def _first_tensor(value: object) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)):
+        for item in value:
+            found = _first_tensor(item)
+            if found is not None:
+                return found
+    if isinstance(value, dict):
+        return _first_tensor(list(value.values()))
+    to_tuple = getattr(value, "to_tuple", None)  # Hugging Face ModelOutput
+    return _first_tensor(to_tuple()) if callable(to_tuple) else None
+
+
+class Probe:
+    """Hooks on every layer: timestamps, and optionally saved tensors and memory peaks.
+
+    Args:
+        layers: The layers, in forward order.
+        clock: The device's clock.
+        policy: When given, count the bytes each layer saves and (on CUDA) its peaks.
+        sleep: Per layer, GPU cycles to hold the stream back before the layer's forward
+            and backward (NOTE [Device time under a host-bound step]); None for none.
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[nn.Module],
+        clock: Clock,
+        policy: ActivationPolicy | None = None,
+        sleep: Sequence[int] | None = None,
+    ) -> None:
+        self.layers = layers
+        self.clock = clock
+        self.policy = policy
+        self.sleep = sleep
+        self.capture = policy is not None
+        n = len(layers)
+        self.fwd: list[list[object]] = [[] for _ in layers]  # start, end
+        self.bwd: list[list[object]] = [[] for _ in layers]  # start, end
+        self.host_fwd: list[list[float]] = [[] for _ in layers]
+        self.host_bwd: list[list[float]] = [[] for _ in layers]
+        self.saved: list[list[torch.Tensor]] = [[] for _ in layers]
+        #: (distinct bytes saved, bytes the engine would offload) per layer.
+        self.saved_bytes = [(0, 0)] * n
+        self.input_bytes = [0] * n
+        self.workspace = [0] * n
+        #: Peak memory of the head and loss above what the layers hold (GPU only).
+        self.head_bytes = 0
+        self._head_from: int | None = None
+        #: When the head began (the last layer's forward ended) and ended (its backward
+        #: began), on the device's clock and the host's.
+        self.head: list[object] = []
+        self.host_head: list[float] = []
+        self._saving: Any = None
+        self._mem_at = 0
+        self._bwd_open: int | None = None
+        self.handles: list[Any] = []
+        for j, layer in enumerate(layers):
+            self.handles.append(layer.register_forward_pre_hook(self._pre(j), with_kwargs=True))
+            self.handles.append(layer.register_forward_hook(self._post(j), with_kwargs=True))
+
+    def _hold(self, j: int) -> None:
+        if self.sleep is not None and self.sleep[j] > 0:
+            torch.cuda._sleep(self.sleep[j])
+
+    def _memory_mark(self) -> int:
+        if not (self.capture and self.clock.cuda):
+            return 0
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+
+    @staticmethod
+    def _counts() -> bool:
+        # A recomputation inside backward runs the layer again: not the step's forward.
+        return torch.is_grad_enabled() and not in_backward()
+
+    def _pre(self, j: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if not self._counts():
+                return
+            self.host_fwd[j] = [time.perf_counter()]
+            self._hold(j)
+            self.fwd[j] = [self.clock.now()]
+            x = _first_tensor(args)
+            x = x if x is not None else _first_tensor(kwargs)
+            self.input_bytes[j] = 0 if x is None else x.numel() * x.element_size()
+            self._mem_at = self._memory_mark()
+            if self.capture:
+                into = self.saved[j]
+
+                def pack(t: torch.Tensor) -> torch.Tensor:
+                    into.append(t)
+                    return t
+
+                self._saving = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+                self._saving.__enter__()
+
+        return hook
+
+    def _post(self, j: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, out: object) -> None:
+            if not self._counts():
+                return
+            if self._saving is not None:
+                self._saving.__exit__(None, None, None)
+                self._saving = None
+                # Counted now and let go: backward frees them as it would without us.
+                assert self.policy is not None
+                self.saved_bytes[j] = saved_bytes(self.saved[j], self.policy)
+                self.saved[j] = []
+            if self.capture and self.clock.cuda:
+                # What the forward held at its peak beyond what it left allocated.
+                peak = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
+                self.workspace[j] = max(self.workspace[j], peak)
+            if j == len(self.layers) - 1 and self.capture and self.clock.cuda:
+                self._head_from = self._memory_mark()
+            self.fwd[j].append(self.clock.now())
+            self.host_fwd[j].append(time.perf_counter())
+            if j == len(self.layers) - 1:
+                self.head, self.host_head = [self.fwd[j][1]], [self.host_fwd[j][1]]
+            y = _first_tensor(out)
+            if y is not None and y.grad_fn is not None:
+                y.grad_fn.register_prehook(self._backward(j))
+
+        return hook
+
+    def _backward(self, j: int) -> Callable[..., None]:
+        def hook(*_: object) -> None:
+            if self._head_from is not None:
+                # The last layer's backward begins: the head and the loss are done.
+                self.head_bytes = torch.cuda.max_memory_allocated() - self._head_from
+                self._head_from = None
+            now = time.perf_counter()
+            self.close_backward(now)
+            if j == len(self.layers) - 1:
+                self.head.append(self.clock.now())
+                self.host_head.append(now)
+            self.host_bwd[j] = [now]
+            self._hold(j)
+            self.bwd[j] = [self.clock.now()]
+            self._bwd_open = j
+            self._mem_at = self._memory_mark()
+
+        return hook
+
+    def close_backward(self, host_now: float) -> None:
+        """End the backward of the layer whose backward runs now (at the next, or the end)."""
+        j = self._bwd_open
+        if j is None:
+            return
+        self.bwd[j].append(self.clock.now())
+        self.host_bwd[j].append(host_now)
+        if self.capture and self.clock.cuda:
+            peak = torch.cuda.max_memory_allocated() - self._mem_at
+            self.workspace[j] = max(self.workspace[j], peak)
+        self._bwd_open = None
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+class StepTimes:
+    """Per-layer times (ms) of one probed step, on the device's clock and the host's."""
+
+    def __init__(self, probe: Probe, step_ms: float) -> None:
+        clock = probe.clock
+        self.step_ms = step_ms
+        self.forward = [clock.ms(f[0], f[1]) for f in probe.fwd]
+        self.backward = [clock.ms(b[0], b[1]) for b in probe.bwd]
+        self.host_forward = [(h[1] - h[0]) * 1e3 for h in probe.host_fwd]
+        self.host_backward = [(h[1] - h[0]) * 1e3 for h in probe.host_bwd]
+        #: From the end of the last layer's forward to the start of its backward.
+        self.head_ms = clock.ms(probe.head[0], probe.head[1])
+        self.host_head_ms = (probe.host_head[1] - probe.host_head[0]) * 1e3
+
+
+def timed_step(
+    layers: Sequence[nn.Module],
+    step: Callable[[], torch.Tensor],
+    clock: Clock,
+    policy: ActivationPolicy | None = None,
+    sleep: Sequence[int] | None = None,
+) -> tuple[Probe, StepTimes]:
+    """One forward and backward under a :class:`Probe`: the probe and its times.
+
+    Raises:
+        ValueError: If the step did not run every layer's forward and backward once.
+    """
+    probe = Probe(layers, clock, policy, sleep)
+    try:
+        if clock.cuda:
+            torch.cuda.synchronize()
+        start = clock.now()
+        loss = step()
+        loss.backward()
+        probe.close_backward(time.perf_counter())
+        end = clock.now()
+        if clock.cuda:
+            torch.cuda.synchronize()
+    finally:
+        probe.remove()
+    if (
+        any(len(f) != 2 for f in probe.fwd)
+        or any(len(b) != 2 for b in probe.bwd)
+        or len(probe.head) != 2
+    ):
+        raise ValueError(
+            "profile_model: the step did not run every layer's forward and backward once "
+            "with grad enabled (step() must run the model's forward and return the loss)"
+        )
+    return probe, StepTimes(probe, clock.ms(start, end))
+
+
+def median_times(runs: Sequence[StepTimes], field: str) -> list[float]:
+    """The per-layer median of ``field`` over ``runs``."""
+    columns = zip(*(getattr(r, field) for r in runs), strict=True)
+    return [statistics.median(c) for c in columns]
+
+
+def scaled_times(
+    fwd: list[float], bwd: list[float], probed_ms: float, plain_ms: float
+) -> tuple[list[float], list[float], float]:
+    """Per-layer times scaled so that they and the rest of the step add up to ``plain_ms``.
+
+    The hooks that time each layer add host time; where the host bounds the step, that
+    lengthens the layers' times. Scaling them by ``plain_ms / probed_ms`` keeps their
+    proportions and makes the model of keeping every layer the step measured without
+    hooks.
+
+    Returns:
+        ``(forward ms, backward ms, other ms)``.
+
+    Example:
+        >>> scaled_times([2.0], [4.0], 10.0, 5.0)
+        ([1.0], [2.0], 2.0)
+    """
+    scale = plain_ms / probed_ms if probed_ms > 0 else 1.0
+    fwd = [f * scale for f in fwd]
+    bwd = [b * scale for b in bwd]
+    return fwd, bwd, max(plain_ms - sum(fwd) - sum(bwd), 0.0)
+
+
+def plain_step_ms(step: Callable[[], torch.Tensor], clock: Clock, steps: int) -> float:
+    """Median time of ``steps`` forward and backward passes, with no hooks of ours."""
+    times = []
+    for _ in range(steps):
+        if clock.cuda:
+            torch.cuda.synchronize()
+        start = clock.now()
+        step().backward()
+        end = clock.now()
+        if clock.cuda:
+            torch.cuda.synchronize()
+        times.append(clock.ms(start, end))
+    return statistics.median(times)
+
+
+def sleep_cycles(host_ms: Sequence[float], margin_ms: float = 0.5) -> list[int]:
+    """GPU cycles that hold the stream back longer than the host takes, per layer.
+
+    The rate is measured once: a sleep of a million cycles timed with CUDA events.
+    """
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    cycles = 1_000_000
+    torch.cuda._sleep(cycles)  # the first launch loads the kernel
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    per_ms = cycles / max(start.elapsed_time(end), 1e-3)
+    return [int((1.5 * h + margin_ms) * per_ms) for h in host_ms]
