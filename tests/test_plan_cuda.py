@@ -75,14 +75,14 @@ def test_profile_plan_apply_bit_identical(deterministic) -> None:  # type: ignor
         assert torch.equal(g, w)
 
 
-def test_profile_sees_the_device_time_under_a_host_bound_step() -> None:
-    # Twenty small layers: their kernels take less time than the host takes to launch
-    # them, so a plain step's events measure the host. Held back before each layer, the
-    # stream runs the kernels back to back: the device's own time, well below the host's.
+def test_profile_measures_host_and_device_apart_on_cuda() -> None:
+    # How close the model comes to measured steps is the benchmark's business
+    # (benchmarks/plan.py); here: on CUDA every layer gets the host's time for each
+    # choice, the device's own times, and the head's, all finite and not negative.
     torch.manual_seed(0)
     layers = torch.nn.ModuleList(
         torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.LayerNorm(64))
-        for _ in range(20)
+        for _ in range(6)
     ).cuda()
     x = torch.randn(8, 64, device="cuda")
 
@@ -92,17 +92,16 @@ def test_profile_sees_the_device_time_under_a_host_bound_step() -> None:
             h = layer(h)
         return h.square().mean()
 
-    profile = profile_model(layers, step, steps=3, recompute=True)
-    hosts = [c.host for c in profile.layers]
-    assert all(h is not None for h in hosts)
-    device_ms = sum(c.forward_ms + c.backward_ms for c in profile.layers)
-    host_ms = sum(h.forward_ms + h.backward_ms for h in hosts if h is not None)
-    assert 0 < device_ms < 0.5 * host_ms
-    # The model of keeping every layer is host-bound, and it is the plain step.
-    keep = estimate(profile, [Choice.KEEP] * 20).step_ms
-    measured, _ = measure_choices(layers, step, [Choice.KEEP] * 20, steps=5, warmup=2)
-    assert keep >= host_ms
-    assert abs(keep - measured) < 0.5 * measured
+    profile = profile_model(layers, step, steps=2, min_tensor_size_to_offload=256)
+    for cost in profile.layers:
+        assert cost.host is not None
+        assert cost.forward_ms > 0 and cost.backward_ms > 0 and cost.host.forward_ms > 0
+        assert all(v >= 0 and v == v for v in vars(cost.host).values())
+    assert profile.head_ms >= 0 and profile.head_host_ms >= 0 and profile.other_ms >= 0
+    keep = estimate(profile, [Choice.KEEP] * 6)
+    host_ms = sum(c.host.forward_ms + c.host.backward_ms for c in profile.layers if c.host)
+    assert keep.step_ms >= host_ms
+    assert profile_model(layers, step, steps=1, host=False).layers[0].host is None
 
 
 def test_plan_uses_less_memory_than_keeping_everything() -> None:
