@@ -77,19 +77,20 @@ class HostCost:
 
     def forward(self, choice: Choice) -> float:
         """Host time of the layer's forward under ``choice``."""
-        extra = {
-            Choice.OFFLOAD: self.offload_forward_ms,
-            Choice.RECOMPUTE: self.recompute_forward_ms,
-        }.get(choice, 0.0)
-        return max(self.forward_ms + extra, 0.0)
+        return _plus(self.forward_ms, choice, self.offload_forward_ms, self.recompute_forward_ms)
 
     def backward(self, choice: Choice) -> float:
         """Host time of the layer's backward (with its recomputation) under ``choice``."""
-        extra = {
-            Choice.OFFLOAD: self.offload_backward_ms,
-            Choice.RECOMPUTE: self.recompute_backward_ms,
-        }.get(choice, 0.0)
-        return max(self.backward_ms + extra, 0.0)
+        return _plus(self.backward_ms, choice, self.offload_backward_ms, self.recompute_backward_ms)
+
+
+def _plus(kept_ms: float, choice: Choice, offload_ms: float, recompute_ms: float) -> float:
+    # Called for every layer of every plan the search scores: plain branches, no lookups.
+    if choice is Choice.OFFLOAD:
+        kept_ms += offload_ms
+    elif choice is Choice.RECOMPUTE:
+        kept_ms += recompute_ms
+    return max(kept_ms, 0.0)
 
 
 @dataclass(frozen=True)
