@@ -161,6 +161,42 @@ def test_is_current_stream_capturing_is_false_outside_a_capture() -> None:
     assert _compat.is_current_stream_capturing() is False
 
 
+@pytest.mark.skipif(torch.version.cuda is None, reason="a build without CUDA has no CUDA calls")
+def test_the_stream_calls_behind_the_fast_helpers_exist_on_this_release() -> None:
+    # current_cuda_stream and OnCudaStream call these directly (NOTE [Host cost of CUDA
+    # stream calls]): every CUDA build of the matrix must have them.
+    for name in ("_cuda_getCurrentStream", "_cuda_getDevice", "_cuda_setStream"):
+        assert callable(getattr(torch._C, name)), name
+
+
+@pytest.mark.cuda
+def test_current_cuda_stream_is_torchs_current_stream() -> None:
+    side = torch.cuda.Stream()
+    assert _compat.current_cuda_stream() == torch.cuda.current_stream()
+    with torch.cuda.stream(side):
+        assert _compat.current_cuda_stream() == side
+        assert _compat.current_cuda_stream() is _compat.current_cuda_stream()  # cached
+    assert _compat.current_cuda_stream() == torch.cuda.default_stream()
+
+
+@pytest.mark.cuda
+def test_on_cuda_stream_switches_and_restores_like_torch_cuda_stream() -> None:
+    outer, inner = torch.cuda.Stream(), torch.cuda.Stream()
+    device = torch.cuda.current_device()
+    with torch.cuda.stream(outer):
+        with _compat.OnCudaStream(inner):
+            assert torch.cuda.current_stream() == inner
+            x = torch.ones(4, device="cuda") * 2  # work queued on the stream it switched to
+        assert torch.cuda.current_stream() == outer
+        with pytest.raises(KeyError), _compat.OnCudaStream(inner):
+            raise KeyError("restored on the way out of an exception too")
+        assert torch.cuda.current_stream() == outer
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    assert torch.cuda.current_device() == device
+    inner.synchronize()
+    assert torch.equal(x.cpu(), torch.full((4,), 2.0))
+
+
 @pytest.mark.parametrize(
     ("device", "version", "expected"),
     [

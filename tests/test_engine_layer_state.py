@@ -259,12 +259,12 @@ class _StreamsTransport(HostTransport):
         super().reload(src, dst)
         return object()  # an event token, so that waits are made
 
-    def wait(self, event: object | None) -> None:
+    def wait(self, event: object | None, stream: object | None = None) -> None:
         if event is not None:
-            self.waits.append((self.stream, event))
+            self.waits.append((self.stream if stream is None else stream, event))
 
-    def use_on_current_stream(self, tensor: torch.Tensor) -> None:
-        self.shared.append((self.stream, tensor.data_ptr()))
+    def use_on_current_stream(self, tensor: torch.Tensor, stream: object | None = None) -> None:
+        self.shared.append((self.stream if stream is None else stream, tensor.data_ptr()))
 
 
 def test_each_stream_that_reads_a_reloaded_tensor_waits_for_its_copy():

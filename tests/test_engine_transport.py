@@ -17,7 +17,7 @@ class _FailingTransport(HostTransport):
         self.waited: list[object] = []
         self.copies = 0
 
-    def wait(self, event: object | None) -> None:
+    def wait(self, event: object | None, stream: object | None = None) -> None:
         self.waited.append(event)
 
     def offload(self, src: torch.Tensor, ready: object | None, dst: torch.Tensor) -> object:

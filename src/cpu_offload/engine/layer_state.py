@@ -289,12 +289,12 @@ class OffloadableLayerState:
         if unit.restored is None:
             return
         if stream not in unit.waited:
-            self.transport.wait(unit.restored)
+            self.transport.wait(unit.restored, stream)
             unit.waited.add(stream)
         if reads and stream != unit.home and unit.reloaded is not None:
             # Read on a stream other than the one it was allocated on: the allocator
             # must not hand its memory out before this stream's reads have run.
-            self.transport.use_on_current_stream(unit.reloaded)
+            self.transport.use_on_current_stream(unit.reloaded, stream)
 
     def pop_tensor(self, tensor_or_id: int | torch.Tensor) -> torch.Tensor:
         """Give back a tensor pushed earlier, waiting for its own reload if needed.
@@ -373,7 +373,7 @@ class OffloadableLayerState:
             waited: object | None = None
             for unit in self._plan.units:
                 if unit.tensor is not None and unit.copied is not waited:
-                    self.transport.wait(unit.copied)
+                    self.transport.wait(unit.copied, stream)
                     waited = unit.copied
                 self._join_reload(unit, stream)
                 if unit.host is not None and unit.restored is not None:

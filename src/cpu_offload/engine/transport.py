@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .._args import check_stream
+from .._compat import OnCudaStream, current_cuda_stream
 from .layout import TensorLayout
 
 __all__ = [
@@ -139,18 +140,20 @@ class Transport(ABC):
         """Mark the current point of the compute stream."""
 
     @abstractmethod
-    def wait(self, event: object | None) -> None:
-        """Make the compute stream wait for ``event``."""
+    def wait(self, event: object | None, stream: Hashable | None = None) -> None:
+        """Make ``stream`` (from :meth:`current_stream`; the current one if None) wait for
+        ``event``."""
 
     @abstractmethod
     def current_stream(self) -> Hashable:
         """The stream work is queued on now, as a key (backward may run on several)."""
 
     @abstractmethod
-    def use_on_current_stream(self, tensor: torch.Tensor) -> None:
+    def use_on_current_stream(self, tensor: torch.Tensor, stream: Hashable | None = None) -> None:
         """Keep ``tensor``'s memory from reuse until the current stream's queued work ran.
 
-        For a tensor allocated on another stream (``Tensor.record_stream``).
+        For a tensor allocated on another stream (``Tensor.record_stream``); ``stream`` is
+        the current stream if the caller has it (from :meth:`current_stream`).
         """
 
     @abstractmethod
@@ -278,16 +281,21 @@ class CudaTransport(Transport):
     def capturing(self) -> bool:
         return torch.cuda.is_current_stream_capturing()
 
+    # The stream calls below avoid torch.cuda's Python wrappers: see
+    # NOTE [Host cost of CUDA stream calls].
+
     def record(self) -> torch.cuda.Event:
         event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream())
+        event.record(current_cuda_stream())
         return event
 
-    def wait(self, event: object | None) -> None:
+    def wait(self, event: object | None, stream: Hashable | None = None) -> None:
         if event is None:
             return
         assert isinstance(event, torch.cuda.Event)
-        stream = torch.cuda.current_stream()
+        if stream is None:
+            stream = current_cuda_stream()
+        assert isinstance(stream, torch.cuda.Stream)
         if self.timeline is None:
             stream.wait_event(event)
             return
@@ -299,14 +307,17 @@ class CudaTransport(Transport):
         self.timeline.append(TimedSpan("stall", 0, start, end))
 
     def current_stream(self) -> torch.cuda.Stream:
-        return torch.cuda.current_stream()
+        return current_cuda_stream()
 
-    def use_on_current_stream(self, tensor: torch.Tensor) -> None:
-        tensor.record_stream(torch.cuda.current_stream())
+    def use_on_current_stream(self, tensor: torch.Tensor, stream: Hashable | None = None) -> None:
+        if stream is None:
+            stream = current_cuda_stream()
+        assert isinstance(stream, torch.cuda.Stream)
+        tensor.record_stream(stream)
 
     def _copy(self, kind: str, stream: torch.cuda.Stream, src: torch.Tensor, dst: torch.Tensor):
         nbytes = dst.numel() * dst.element_size()
-        with torch.cuda.stream(stream):
+        with OnCudaStream(stream):
             if self.timeline is not None:
                 start = torch.cuda.Event(enable_timing=True)
                 start.record(stream)
@@ -342,7 +353,7 @@ class CudaTransport(Transport):
     def reload(self, src: torch.Tensor, dst: torch.Tensor) -> torch.cuda.Event:
         # dst was allocated on the compute stream: its memory may have been used by
         # compute work queued before the allocation, so the copy waits for that point.
-        self.reload_stream.wait_stream(torch.cuda.current_stream())
+        self.reload_stream.wait_stream(current_cuda_stream())
         done, nbytes = self._copy("reload", self.reload_stream, src, dst)
         self.bytes_reloaded += nbytes
         return done
@@ -359,7 +370,7 @@ class CudaTransport(Transport):
         done = torch.cuda.Event()
         waited: object | None = None
         try:
-            with torch.cuda.stream(stream):
+            with OnCudaStream(stream):
                 for src, ready, dst in copies:
                     if ready is not None and ready is not waited:
                         stream.wait_event(ready)  # type: ignore[arg-type]
@@ -369,7 +380,7 @@ class CudaTransport(Transport):
                     self.bytes_offloaded += dst.nbytes
         except BaseException:
             done.record(stream)
-            torch.cuda.current_stream().wait_event(done)
+            current_cuda_stream().wait_event(done)
             raise
         done.record(stream)
         return [done] * len(copies)
@@ -381,10 +392,10 @@ class CudaTransport(Transport):
             return super().reload_all(copies)
         stream = self.reload_stream
         # The buffers were allocated on the compute stream (see reload): one wait for all.
-        stream.wait_stream(torch.cuda.current_stream())
+        stream.wait_stream(current_cuda_stream())
         events: list[object | None] = []
         try:
-            with torch.cuda.stream(stream):
+            with OnCudaStream(stream):
                 for src, dst in copies:
                     dst.copy_(src, non_blocking=True)
                     event = torch.cuda.Event()
@@ -392,7 +403,7 @@ class CudaTransport(Transport):
                     events.append(event)
                     self.bytes_reloaded += dst.nbytes
         except BaseException:
-            torch.cuda.current_stream().wait_stream(stream)
+            current_cuda_stream().wait_stream(stream)
             raise
         return events
 
@@ -418,13 +429,13 @@ class HostTransport(Transport):
     def record(self) -> None:
         return None
 
-    def wait(self, event: object | None) -> None:
+    def wait(self, event: object | None, stream: Hashable | None = None) -> None:
         return None
 
     def current_stream(self) -> Hashable:
         return None  # one stream: CPU operations run in order
 
-    def use_on_current_stream(self, tensor: torch.Tensor) -> None:
+    def use_on_current_stream(self, tensor: torch.Tensor, stream: Hashable | None = None) -> None:
         return None
 
     def offload(self, src: torch.Tensor, ready: object | None, dst: torch.Tensor) -> None:
