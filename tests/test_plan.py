@@ -144,6 +144,30 @@ def test_host_cost_per_choice_is_never_negative() -> None:
     assert [host.backward(c) for c in Choice] == [2.0, 2.0, 3.5]
 
 
+def test_the_engine_adds_its_host_time_to_every_layer_once_one_is_offloaded() -> None:
+    host = HostCost(
+        1.0,
+        2.0,
+        offload_forward_ms=0.5,
+        recompute_backward_ms=1.5,
+        engaged_forward_ms=0.25,
+        engaged_backward_ms=0.125,
+    )
+    # Kept and recomputed layers pay the engine's share only when engaged; an offloaded
+    # layer's extra already holds it.
+    assert [host.forward(c, engaged=True) for c in Choice] == [1.25, 1.5, 1.25]
+    assert [host.backward(c, engaged=True) for c in Choice] == [2.125, 2.0, 3.625]
+    assert [host.forward(c) for c in Choice] == [1.0, 1.5, 1.0]
+    # On a host-bound step (device 0.1 ms a phase), a plan that offloads one layer adds
+    # the engine's share to the two others, and a plan without one adds nothing.
+    layer = LayerCost(0.1, 0.1, saved_bytes=100, offload_bytes=100, input_bytes=10, host=host)
+    profile = Profile((layer,) * 3, Link(1.0, 1.0))
+    kept = estimate(profile, ["keep"] * 3).step_ms
+    assert kept == 3 * (1.0 + 2.0)
+    assert estimate(profile, ["offload", "keep", "keep"]).step_ms == kept + 0.5 + 2 * 0.375
+    assert estimate(profile, ["recompute", "keep", "keep"]).step_ms == kept + 1.5
+
+
 def test_the_head_adds_to_what_the_layers_hold_at_the_end_of_the_forward() -> None:
     layer = LayerCost(1.0, 2.0, saved_bytes=1000, offload_bytes=900, input_bytes=100)
     profile = Profile((layer,) * 3, Link(1e-3, 1e-3), static_bytes=7, head_bytes=500)

@@ -178,6 +178,38 @@ def test_profile_measures_the_host_apart_when_asked() -> None:
         profile_model(model, lambda: model(x).sum(), host="yes")  # type: ignore[arg-type]
 
 
+class _Times:
+    """Stand-in for a probed step's times: what the host took per layer."""
+
+    def __init__(self, forward: list[float], backward: list[float]) -> None:
+        self.host_forward, self.host_backward = forward, backward
+
+
+def test_offloadings_host_time_is_split_into_the_engines_share_and_the_layers() -> None:
+    from cpu_offload.plan.profile import _offload_extras
+
+    # 4 layers, the first 2 offloaded. Every layer under the engine takes 0.5 ms more to
+    # enqueue its forward and 0.25 more its backward; the offloaded layers 2 more each
+    # (forward), and their reloads 3 in all (backward, in layers 1 and 2's steps).
+    # The host runs 1.5 times slower in the second round, for both configurations.
+    def kept(speed: float) -> list[_Times]:
+        return [_Times([speed] * 4, [2 * speed] * 4)] * 3
+
+    def offload(speed: float) -> list[_Times]:
+        fwd = [speed * v for v in (3.5, 3.5, 1.5, 1.5)]
+        bwd = [speed * v for v in (2.25, 3.75, 3.75, 2.25)]
+        return [_Times(fwd, bwd)] * 3
+
+    speeds = (1.0, 1.5, 1.0)
+    extras = _offload_extras([offload(v) for v in speeds], [kept(v) for v in speeds], n=4, m=2)
+    assert extras == {
+        "engaged_forward_ms": 0.5,
+        "offload_forward_ms": 2.5,
+        "engaged_backward_ms": 0.25,
+        "offload_backward_ms": 0.25 + 3 / 2,
+    }
+
+
 def test_profile_step_that_skips_layers() -> None:
     model = _encoder()
     x = _batches()[0]

@@ -24,7 +24,9 @@ from cpu_offload.plan.search import Plan, search
 def _plan() -> Plan:
     layers = (
         LayerCost(1.0, 2.0, 1000, 900, 100, recompute_ms=1.1, workspace_bytes=50),
-        LayerCost(1.5, 2.5, 2000, 2000, 100, host=HostCost(0.5, 1.0, 0.25, 0.5, 0.1, 0.75)),
+        LayerCost(
+            1.5, 2.5, 2000, 2000, 100, host=HostCost(0.5, 1.0, 0.25, 0.5, 0.1, 0.75, 0.125, 0.0625)
+        ),
         LayerCost(1.0, 2.0, 1000, 900, 100),
     )
     profile = Profile(
@@ -71,6 +73,21 @@ def test_a_file_written_before_the_host_was_measured_loads_with_none() -> None:
     loaded = plan_from_dict(data)
     assert loaded.profile is not None
     assert [c.host for c in loaded.profile.layers] == [None, None, None]
+
+
+def test_a_file_written_before_the_engines_share_was_measured_loads_with_zero() -> None:
+    data = plan_to_dict(_plan())
+    host = data["profile"]["layers"][1]["host"]
+    assert (host["engaged_forward_ms"], host["engaged_backward_ms"]) == (0.125, 0.0625)
+    del host["engaged_forward_ms"], host["engaged_backward_ms"]
+    loaded = plan_from_dict(data)
+    assert loaded.profile is not None
+    cost = loaded.profile.layers[1].host
+    assert cost == HostCost(0.5, 1.0, 0.25, 0.5, 0.1, 0.75)
+    # The fields without a default stay required.
+    del data["profile"]["layers"][1]["host"]["forward_ms"]
+    with pytest.raises(ValueError, match="forward_ms"):
+        plan_from_dict(data)
 
 
 def test_round_trip_without_profile() -> None:

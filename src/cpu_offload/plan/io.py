@@ -11,7 +11,7 @@ import json
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import asdict, fields
+from dataclasses import MISSING, asdict, fields
 from typing import Any
 
 from .model import Choice, HostCost, LayerCost, Link, Profile, check_choices  # noqa: F401
@@ -149,7 +149,14 @@ class _Reader:
 
 
 def _host_from(r: _Reader) -> HostCost:
-    return HostCost(**{f.name: r.number(f.name) for f in fields(HostCost)})
+    # Fields with a default are absent from files written before they were measured.
+    return HostCost(
+        **{
+            f.name: r.number(f.name)
+            for f in fields(HostCost)
+            if f.name in r.data or f.default is MISSING
+        }
+    )
 
 
 def _profile_from(r: _Reader) -> Profile:

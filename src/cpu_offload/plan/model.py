@@ -66,6 +66,10 @@ class HostCost:
             hooks).
         recompute_backward_ms: What recomputing adds to the backward: the forward run
             again, and the checkpoint's unpacking.
+        engaged_forward_ms: What the offload engine adds to the forward of a layer it
+            does not offload, in a plan that offloads some layer: every layer then runs
+            under the offload context and its sync (``offload_forward_ms`` includes it).
+        engaged_backward_ms: The same for the backward.
     """
 
     forward_ms: float
@@ -74,22 +78,42 @@ class HostCost:
     offload_backward_ms: float = 0.0
     recompute_forward_ms: float = 0.0
     recompute_backward_ms: float = 0.0
+    engaged_forward_ms: float = 0.0
+    engaged_backward_ms: float = 0.0
 
-    def forward(self, choice: Choice) -> float:
-        """Host time of the layer's forward under ``choice``."""
-        return _plus(self.forward_ms, choice, self.offload_forward_ms, self.recompute_forward_ms)
+    def forward(self, choice: Choice, engaged: bool = False) -> float:
+        """Host time of the layer's forward under ``choice``; ``engaged``: the plan
+        offloads some layer."""
+        return _plus(
+            self.forward_ms,
+            choice,
+            self.offload_forward_ms,
+            self.recompute_forward_ms,
+            self.engaged_forward_ms if engaged else 0.0,
+        )
 
-    def backward(self, choice: Choice) -> float:
-        """Host time of the layer's backward (with its recomputation) under ``choice``."""
-        return _plus(self.backward_ms, choice, self.offload_backward_ms, self.recompute_backward_ms)
+    def backward(self, choice: Choice, engaged: bool = False) -> float:
+        """Host time of the layer's backward (with its recomputation) under ``choice``;
+        ``engaged``: the plan offloads some layer."""
+        return _plus(
+            self.backward_ms,
+            choice,
+            self.offload_backward_ms,
+            self.recompute_backward_ms,
+            self.engaged_backward_ms if engaged else 0.0,
+        )
 
 
-def _plus(kept_ms: float, choice: Choice, offload_ms: float, recompute_ms: float) -> float:
+def _plus(
+    kept_ms: float, choice: Choice, offload_ms: float, recompute_ms: float, engaged_ms: float
+) -> float:
     # Called for every layer of every plan the search scores: plain branches, no lookups.
     if choice is Choice.OFFLOAD:
         kept_ms += offload_ms
-    elif choice is Choice.RECOMPUTE:
-        kept_ms += recompute_ms
+    else:
+        kept_ms += engaged_ms
+        if choice is Choice.RECOMPUTE:
+            kept_ms += recompute_ms
     return max(kept_ms, 0.0)
 
 
@@ -425,11 +449,14 @@ def estimate(profile: Profile, choices: Sequence[object]) -> Estimate:
             tl.alloc(layers[i].offload_bytes)
             reload_job[i] = tl.copies.queue("h2d", tl.t, layers[i].offload_bytes, 0.0)
 
+    # Any offloaded layer puts every layer under the offload context.
+    engaged = Choice.OFFLOAD in plan
+
     def host_fwd(cost: LayerCost, choice: Choice) -> float:
-        return 0.0 if cost.host is None else cost.host.forward(choice)
+        return 0.0 if cost.host is None else cost.host.forward(choice, engaged)
 
     def host_bwd(cost: LayerCost, choice: Choice) -> float:
-        return 0.0 if cost.host is None else cost.host.backward(choice)
+        return 0.0 if cost.host is None else cost.host.backward(choice, engaged)
 
     for j, (cost, choice) in enumerate(zip(layers, plan, strict=True)):
         run_point(Point(True, j))

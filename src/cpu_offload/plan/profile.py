@@ -281,19 +281,40 @@ class _HostAndDevice(_Together):
                 for _ in range(self.steps)
             ]
 
+    #: Rounds that take the host's configurations in turn. The host's speed drifts by
+    #: tens of percent over seconds on a shared machine: what a choice adds is the
+    #: difference of two configurations measured in the same round, median over rounds.
+    ROUNDS = 3
+
+    def _rounds(self, configs: dict[str, dict[str, Any]]) -> dict[str, list[list[StepTimes]]]:
+        out: dict[str, list[list[StepTimes]]] = {name: [] for name in configs}
+        for _ in range(self.ROUNDS):
+            for name, kwargs in configs.items():
+                out[name].append(self._under(self.steps, **kwargs))
+        return out
+
     def profile(self, base: Profile, costs: list[LayerCost], recompute: bool) -> Profile:
         n = len(self.layers)
-        keep = {"offloaded": (), "recomputed": ()}
-        host_f = median_times(self.runs, "host_forward")
-        host_b = median_times(self.runs, "host_backward")
-        device = self._device_times(self.runs, **keep)
+        m = max(n // 2, 1)
+        keep: dict[str, Any] = {"offloaded": (), "recomputed": ()}
+        every: dict[str, Any] = {"offloaded": (), "recomputed": range(n)}
+        configs = {"keep": keep}
+        if recompute:
+            configs["recompute"] = every
+        if n > 1:
+            # Half the layers (at least one, never the last) through the engine.
+            configs["offload"] = {"offloaded": range(m), "recomputed": ()}
+        rounds = self._rounds(configs)
+        kept_runs = _flat(rounds["keep"])
+        host_f = median_times(kept_runs, "host_forward")
+        host_b = median_times(kept_runs, "host_backward")
+        device = self._device_times(kept_runs, **keep)
         dev_f = median_times(device, "forward")
         dev_b = median_times(device, "backward")
         host = HostCost(forward_ms=0.0, backward_ms=0.0)
         rerun = list(dev_f)
         if recompute:
-            every = {"offloaded": (), "recomputed": range(n)}
-            runs = self._under(self.steps, **every)
+            runs = _flat(rounds["recompute"])
             rerun = [
                 max(b - kb, 0.0)
                 for b, kb in zip(
@@ -302,20 +323,13 @@ class _HostAndDevice(_Together):
             ]
             host = replace(
                 host,
-                recompute_forward_ms=_extra(runs, "host_forward", host_f, n),
-                recompute_backward_ms=_extra(runs, "host_backward", host_b, n),
+                recompute_forward_ms=_extra(rounds["recompute"], rounds["keep"], "host_forward", n),
+                recompute_backward_ms=_extra(
+                    rounds["recompute"], rounds["keep"], "host_backward", n
+                ),
             )
         if n > 1:
-            # Half the layers (at least one, never the last) through the engine: the
-            # schedule puts their reloads in other layers' backward, so the host time
-            # they add is counted over the whole step and shared out per offloaded layer.
-            m = max(n // 2, 1)
-            runs = self._under(self.steps, offloaded=range(m), recomputed=())
-            host = replace(
-                host,
-                offload_forward_ms=_extra(runs, "host_forward", host_f, m),
-                offload_backward_ms=_extra(runs, "host_backward", host_b, m),
-            )
+            host = replace(host, **_offload_extras(rounds["offload"], rounds["keep"], n, m))
         layers = tuple(
             replace(
                 c,
@@ -336,19 +350,57 @@ class _HostAndDevice(_Together):
             base,
             layers=layers,
             head_ms=statistics.median(r.head_ms for r in device),
-            head_host_ms=statistics.median(r.host_head_ms for r in self.runs),
+            head_host_ms=statistics.median(r.host_head_ms for r in kept_runs),
         )
         # What the layers leave out of a plain step (embedding, head, loss) is its rest.
         kept = estimate(modelled, [Choice.KEEP] * n).step_ms
         return replace(modelled, other_ms=max(self.plain_ms - kept, 0.0))
 
 
-def _extra(runs: list[StepTimes], field: str, base: list[float], per: int) -> float:
-    """Host time ``runs`` took beyond ``base`` over the whole step, per ``per`` layers.
+def _flat(rounds: list[list[StepTimes]]) -> list[StepTimes]:
+    return [run for one in rounds for run in one]
+
+
+def _extra(
+    variant: list[list[StepTimes]],
+    kept: list[list[StepTimes]],
+    field: str,
+    per: int,
+    layers: Sequence[int] | None = None,
+) -> float:
+    """Host time ``variant`` took beyond ``kept`` in ``layers`` (all if None), per ``per``
+    layers: the median over rounds of each round's difference.
 
     At least 0: a difference below 0 is the host's noise, not a saving.
     """
-    return max((sum(median_times(runs, field)) - sum(base)) / per, 0.0)
+    diffs = []
+    for v, k in zip(variant, kept, strict=True):
+        vm, km = median_times(v, field), median_times(k, field)
+        js = range(len(vm)) if layers is None else layers
+        diffs.append(sum(vm[j] - km[j] for j in js))
+    return max(statistics.median(diffs) / per, 0.0)
+
+
+def _offload_extras(
+    offload: list[list[StepTimes]], kept: list[list[StepTimes]], n: int, m: int
+) -> dict[str, float]:
+    """The host time offloading the first ``m`` of ``n`` layers adds, split in two.
+
+    Every layer runs under the offload context once one is offloaded: what that adds to
+    a layer the engine does not offload (``engaged_*``) is measured on layers whose steps
+    do no offload work of the schedule's (forwards after the first offloaded layer's
+    copies were queued; the last layer's backward, before any reload); the rest of the
+    step's extra is the offloaded layers', shared out among them, since the schedule
+    puts their copies and reloads in other layers' steps.
+    """
+    out = {}
+    for way, clean in (("forward", range(m + 1, n)), ("backward", range(n - 1, n))):
+        field = f"host_{way}"
+        engaged = _extra(offload, kept, field, len(clean), clean) if clean else 0.0
+        total = _extra(offload, kept, field, 1)
+        out[f"engaged_{way}_ms"] = engaged
+        out[f"offload_{way}_ms"] = max((total - (n - m) * engaged) / m, 0.0)
+    return out
 
 
 def measure_choices(
