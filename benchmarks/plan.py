@@ -217,7 +217,7 @@ def _timed(  # type: ignore[no-untyped-def]
     keep_choices = [Choice.KEEP] * n
     _, none_peak = measure_choices(model, step, keep_choices, steps=steps, warmup=warmup)
     assert none_peak is not None
-    profile = profile_model(model, step, steps=rounds * steps, warmup=warmup)
+    profile = profile_model(model, step, steps=steps, warmup=warmup)
 
     # The plans for the budgets, each applied once with its budget check.
     checked = []
@@ -287,6 +287,11 @@ def _timed(  # type: ignore[no-untyped-def]
     }
 
 
+def _spread(round_medians: list[float]) -> float:
+    """How far a configuration's rounds lie apart: (slowest - fastest) / median."""
+    return (max(round_medians) - min(round_medians)) / statistics.median(round_medians)
+
+
 def _markdown(results: list[dict], device: str, rounds: int, steps: int, warmup: int) -> str:
     gib = 2**30
     out = [
@@ -310,13 +315,14 @@ def _markdown(results: list[dict], device: str, rounds: int, steps: int, warmup:
             f"{none[0]:.1f} ms, {none[1] / gib:.2f} GiB; modelled "
             f"{res['none']['modelled'][0]:.1f} ms, {res['none']['modelled'][1] / gib:.2f} GiB)",
             "",
-            "| budget GiB | plan | modelled ms / GiB | measured ms / GiB | model error step / peak "
-            "| exact | best single method at <= peak | its ms / GiB | plan speedup |",
-            "|---:|---|---:|---:|---:|---|---|---:|---:|",
+            "| budget GiB | plan | modelled ms / GiB | measured ms / GiB | spread of the rounds "
+            "| model error step / peak | exact | best single method at <= peak | its ms / GiB "
+            "| plan speedup |",
+            "|---:|---|---:|---:|---:|---:|---|---|---:|---:|",
         ]
         for r in res["rows"]:
             if "error" in r:
-                out.append(f"| {r['budget_bytes'] / gib:.2f} | {r['error']} | | | | | | | |")
+                out.append(f"| {r['budget_bytes'] / gib:.2f} | {r['error']} | | | | | | | | |")
                 continue
             best = r["best_single_measured"]
             plan = r["plan"]
@@ -326,6 +332,7 @@ def _markdown(results: list[dict], device: str, rounds: int, steps: int, warmup:
                 f"| {r['budget_bytes'] / gib:.2f} | {plan} | {r['modelled'][0]:.1f} / "
                 f"{r['modelled'][1] / gib:.2f} | {r['measured'][0]:.1f} / "
                 f"{r['measured'][1] / gib:.2f}{'' if r['within_budget'] else ' (over)'} | "
+                f"{_spread(r['round_medians_ms']):.1%} | "
                 f"{r['model_step_error']:+.1%} / {r['model_peak_error']:+.1%} | "
                 f"{'yes' if r['exact'] else 'NO'} | {r['best_single'] or '-'} | "
                 + ("-" if best is None else f"{best[0]:.1f} / {best[1] / gib:.2f}")
@@ -360,7 +367,7 @@ def main() -> int:
         "--budgets", default="0.8,0.6,0.45", help="fractions of the measured peak without a plan"
     )
     parser.add_argument(
-        "--rounds", type=int, default=3, help="rounds that take the configurations in turn"
+        "--rounds", type=int, default=5, help="rounds that take the configurations in turn"
     )
     parser.add_argument(
         "--steps", type=int, default=4, help="timed steps per configuration and round"

@@ -178,6 +178,29 @@ def test_profile_measures_the_host_apart_when_asked() -> None:
         profile_model(model, lambda: model(x).sum(), host="yes")  # type: ignore[arg-type]
 
 
+def test_the_plain_step_is_the_median_of_the_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A slow phase of the host while the first plain block is timed, and one slow round
+    # among five: the model of keeping every layer is the plain step of the rounds.
+    import cpu_offload.plan.profile as profile_module
+
+    times = iter([9000.0, 1000.0, 5000.0, 1000.0, 1000.0, 1000.0])
+    calls = []
+
+    def plain(step, clock, steps):  # type: ignore[no-untyped-def]
+        calls.append(steps)
+        step().backward()
+        return next(times)
+
+    monkeypatch.setattr(profile_module, "plain_step_ms", plain)
+    model = _encoder()
+    x = _batches()[0]
+    profile = profile_model(
+        model, lambda: model(x).sum(), steps=2, host=True, min_tensor_size_to_offload=1024
+    )
+    assert len(calls) == 1 + profile_module._HostAndDevice.ROUNDS
+    assert estimate(profile, [Choice.KEEP] * LAYERS).step_ms == pytest.approx(1000.0)
+
+
 class _Times:
     """Stand-in for a probed step's times: what the host took per layer."""
 

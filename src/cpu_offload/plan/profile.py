@@ -282,16 +282,23 @@ class _HostAndDevice(_Together):
             ]
 
     #: Rounds that take the host's configurations in turn. The host's speed drifts by
-    #: tens of percent over seconds on a shared machine: what a choice adds is the
-    #: difference of two configurations measured in the same round, median over rounds.
-    ROUNDS = 3
+    #: tens of percent over seconds on a shared machine (phases of about a second, seen
+    #: on the H100 host of our benchmarks): what a choice adds is the difference of two
+    #: configurations measured in the same round, median over rounds, and the plain
+    #: step is the median of its rounds' times.
+    ROUNDS = 5
 
-    def _rounds(self, configs: dict[str, dict[str, Any]]) -> dict[str, list[list[StepTimes]]]:
+    def _rounds(
+        self, configs: dict[str, dict[str, Any]]
+    ) -> tuple[dict[str, list[list[StepTimes]]], list[float]]:
+        """Each configuration's probed steps per round, and the plain step's time per round."""
         out: dict[str, list[list[StepTimes]]] = {name: [] for name in configs}
+        plain = []
         for _ in range(self.ROUNDS):
+            plain.append(plain_step_ms(self.step, self.clock, self.steps))
             for name, kwargs in configs.items():
                 out[name].append(self._under(self.steps, **kwargs))
-        return out
+        return out, plain
 
     def profile(self, base: Profile, costs: list[LayerCost], recompute: bool) -> Profile:
         n = len(self.layers)
@@ -304,7 +311,7 @@ class _HostAndDevice(_Together):
         if n > 1:
             # Half the layers (at least one, never the last) through the engine.
             configs["offload"] = {"offloaded": range(m), "recomputed": ()}
-        rounds = self._rounds(configs)
+        rounds, plain_rounds = self._rounds(configs)
         kept_runs = _flat(rounds["keep"])
         host_f = median_times(kept_runs, "host_forward")
         host_b = median_times(kept_runs, "host_backward")
@@ -352,9 +359,12 @@ class _HostAndDevice(_Together):
             head_ms=statistics.median(r.head_ms for r in device),
             head_host_ms=statistics.median(r.host_head_ms for r in kept_runs),
         )
-        # What the layers leave out of a plain step (embedding, head, loss) is its rest.
+        # What the layers leave out of a plain step (embedding, head, loss) is its rest:
+        # the plain step of the rounds, not the one block timed before them, which a slow
+        # phase of the host would pass on to every estimate.
         kept = estimate(modelled, [Choice.KEEP] * n).step_ms
-        return replace(modelled, other_ms=max(self.plain_ms - kept, 0.0))
+        plain_ms = statistics.median(plain_rounds)
+        return replace(modelled, other_ms=max(plain_ms - kept, 0.0))
 
 
 def _flat(rounds: list[list[StepTimes]]) -> list[StepTimes]:
