@@ -177,6 +177,8 @@ def profile_model(
     # The engine's own selection at the same threshold: what offloading would move.
     policy = ActivationPolicy(min_tensor_size_to_offload, lambda t: t.device.type == device.type)
     probe, _ = timed_step(layers, step, clock, policy)
+    # See NOTE [Memory peaks in a step of their own].
+    peaks, _ = timed_step(layers, step, clock, memory=True)
     saved = probe.saved_bytes
     costs = [
         LayerCost(
@@ -185,7 +187,7 @@ def profile_model(
             saved_bytes=saved[j][0],
             offload_bytes=saved[j][1],
             input_bytes=probe.input_bytes[j],
-            workspace_bytes=probe.workspace[j],
+            workspace_bytes=peaks.workspace[j],
         )
         for j in range(len(layers))
     ]
@@ -196,7 +198,7 @@ def profile_model(
         link,
         static_bytes=static,
         device=torch.cuda.get_device_name(device) if cuda else "cpu (CPU stand-in)",
-        head_bytes=probe.head_bytes,
+        head_bytes=peaks.head_bytes,
     )
     timing = _HostAndDevice if (cuda if host is None else host) else _Together
     measured = timing(layers, step, clock, steps, runs, plain_ms, min_tensor_size_to_offload)
