@@ -201,6 +201,22 @@ def test_the_plain_step_is_the_median_of_the_rounds(monkeypatch: pytest.MonkeyPa
     assert estimate(profile, [Choice.KEEP] * LAYERS).step_ms == pytest.approx(1000.0)
 
 
+def test_a_probe_counts_saved_tensors_or_measures_peaks_not_both() -> None:
+    # NOTE [Memory peaks in a step of their own]: the hooks that count saved tensors
+    # raise the peaks they would measure.
+    from cpu_offload.engine.selection import ActivationPolicy
+    from cpu_offload.plan._probe import Clock, Probe
+
+    layers = list(_encoder().layers)
+    policy = ActivationPolicy(MIN, lambda t: True)
+    with pytest.raises(ValueError, match="policy.*memory.*not both"):
+        Probe(layers, Clock(False), policy, memory=True)
+    # On the CPU stand-in there are no device counters to read.
+    probe = Probe(layers, Clock(False), memory=True)
+    assert probe.memory is False
+    probe.remove()
+
+
 class _Times:
     """Stand-in for a probed step's times: what the host took per layer."""
 
