@@ -23,6 +23,35 @@ from ._compat import CHECKPOINT_EARLY_STOP_KWARG
 __all__ = ["run_layer", "run_layer_recomputed"]
 
 
+def _one_object_per_argument(
+    call: Callable[..., Any], args: tuple[Any, ...]
+) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    """``call`` and ``args`` with an object passed twice passed once, and repeated inside.
+
+    ``checkpoint`` recomputes with a detached copy of each argument, one per argument: a
+    tensor passed as two arguments (``attn(h, h, h)``) comes back as distinct objects,
+    and code that tests ``query is key`` (``nn.MultiheadAttention``) takes another path
+    in the recomputation, which then saves other tensors and fails.
+    """
+    unique: list[Any] = []
+    where: list[int] = []
+    for arg in args:
+        for i, seen in enumerate(unique):
+            if seen is arg:
+                where.append(i)
+                break
+        else:
+            where.append(len(unique))
+            unique.append(arg)
+    if len(unique) == len(args):
+        return call, args
+
+    def repeated(*given: Any) -> Any:
+        return call(*(given[i] for i in where))
+
+    return repeated, tuple(unique)
+
+
 def run_layer(forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``forward(*args, **kwargs)``."""
     return forward(*args, **kwargs)
@@ -51,6 +80,7 @@ def run_layer_recomputed(
     # The keyword arguments are bound first: checkpoint() keeps those named like its own
     # options (debug, context_fn, ...) for itself.
     call = functools.partial(forward, **kwargs) if kwargs else forward
+    call, args = _one_object_per_argument(call, args)
     if CHECKPOINT_EARLY_STOP_KWARG:
         return checkpoint(call, *args, use_reentrant=False, early_stop=False)
     # Before PyTorch 2.9 the caller turns early stop off around this call, outside the

@@ -19,12 +19,13 @@ from ._compat import (
     in_checkpoint_forward,
     swap_dynamo_callback,
 )
-from ._compile import call_compiled
+from ._compile import call_compiled, outside_compile
 from ._layer_call import run_layer, run_layer_recomputed
+from ._layer_parts import PartChoice, PartPlan, keep_saved
 from ._marking import MarkOutputs
 from ._warn import warn_at_caller
 
-__all__ = ["Runner", "StepWatch", "recompute", "sync_first"]
+__all__ = ["PartRunner", "Runner", "StepWatch", "recompute", "sync_first"]
 
 
 def sync_first(out: Any, sync: Callable[[torch.Tensor], torch.Tensor], index: int) -> Any:
@@ -145,6 +146,7 @@ class Runner:
         recomputed: frozenset[int],
         num_layers: int,
         mark_outputs: bool,
+        parts: PartPlan | None = None,
     ) -> None:
         self.context = context
         self.sync = sync
@@ -152,6 +154,11 @@ class Runner:
         self.recomputed = recomputed
         self.num_layers = num_layers
         self.mark_outputs = mark_outputs
+        #: Per layer, what each of its parts does (NOTE [Parts of a layer]).
+        self.parts: PartPlan = parts or {}
+        #: The layer whose training forward runs now, for its parts (None between layers).
+        self.running: int | None = None
+        self._engine_hooks: tuple[Any, Any] | None = None  # (synchronizer, its hooks)
         self.last_index: int | None = None
         self.watch: StepWatch | None = None
         #: Inside a wrapped layer's forward (reassigning the layers is refused there).
@@ -164,8 +171,29 @@ class Runner:
         """Run as ``other`` does from the next forward on (another set of layers)."""
         self.context, self.sync = other.context, other.sync
         self.offloaded, self.recomputed = other.offloaded, other.recomputed
+        self.parts = other.parts
         self.mark_outputs = other.mark_outputs
+        self._engine_hooks = None
         self.last_index = None
+
+    def offload_hooks(self) -> Any:
+        """Saved-tensor hooks that hand tensors to the engine, for an offloaded part's
+        forward (NOTE [Parts of a layer]); None when no layer is offloaded.
+
+        A new hooks object each time (one may be entered once at a time), over the pack
+        and unpack functions made once per synchronizer.
+        """
+        synchronizer = getattr(self.context, "offload_synchronizer", None)
+        if synchronizer is None:
+            return None
+        cached = self._engine_hooks
+        if cached is None or cached[0] is not synchronizer:
+            cached = (
+                synchronizer,
+                (outside_compile(synchronizer.pack_hook), outside_compile(synchronizer.pop_tensor)),
+            )
+            self._engine_hooks = cached
+        return torch.autograd.graph.saved_tensors_hooks(*cached[1])
 
     def __call__(
         self, index: int, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict
@@ -240,7 +268,11 @@ class Runner:
             )
 
         if self.context is None:
-            return run()
+            self.running = index
+            try:
+                return run()
+            finally:
+                self.running = None
         if index == 0 and self.last_index not in (None, self.num_layers - 1):
             # The previous forward stopped between layers (an exception outside a layer):
             # start the iteration afresh instead of counting on from where it stopped.
@@ -249,8 +281,14 @@ class Runner:
             self._refuse_order(index)
         self.last_index = None
         mark = MarkOutputs() if self.mark_outputs and index in self.offloaded else None
-        with self.context, mark or contextlib.nullcontext():
-            out = run()
+        # An offloaded layer with parts keeps what its offloaded parts do not take.
+        keep = keep_saved() if index in self.parts and index in self.offloaded else None
+        self.running = index
+        try:
+            with self.context, mark or contextlib.nullcontext(), keep or contextlib.nullcontext():
+                out = run()
+        finally:
+            self.running = None
         assert self.sync is not None
         try:
             out = sync_first(out, self.sync, index)
@@ -287,3 +325,47 @@ class Runner:
             "forward, in order: run every wrapped layer once per forward (no layer drop, "
             "no reuse of a layer), or wrap only the layers that run that way"
         )
+
+
+class PartRunner:
+    """Runs one part of a wrapped layer: kept, offloaded or recomputed (NOTE [Parts of a
+    layer] in :mod:`cpu_offload._layer_parts`).
+
+    Called as ``runner(index, forward, args, kwargs)`` by the part's patched forward
+    (:func:`cpu_offload._layer_wrap.patch_layer`). What it does is read from the layer
+    runner at each call, so that :meth:`Runner.take` changes it too.
+
+    Args:
+        owner: The layer runner; the part acts only while it runs layer ``layer`` in a
+            training forward.
+        layer: The index of the layer the part belongs to.
+        name: The part's submodule path inside that layer.
+    """
+
+    def __init__(self, owner: Runner, layer: int, name: str) -> None:
+        self.owner = owner
+        self.layer = layer
+        self.name = name
+
+    def __call__(
+        self, index: int, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict
+    ) -> Any:
+        owner = self.owner
+        choice = owner.parts.get(self.layer, {}).get(self.name, PartChoice.KEEP)
+        if (
+            choice is PartChoice.KEEP
+            or owner.running != self.layer
+            or not torch.is_grad_enabled()
+            or in_backward()
+            or in_checkpoint_forward()
+        ):
+            return run_layer(*_unbound(forward, args), kwargs)
+        callback = swap_dynamo_callback(None)
+        try:
+            if choice is PartChoice.RECOMPUTE:
+                return call_compiled(callback, recompute, forward, args, kwargs)
+            hooks = owner.offload_hooks()
+            with hooks if hooks is not None else contextlib.nullcontext():
+                return call_compiled(callback, run_layer, *_unbound(forward, args), kwargs)
+        finally:
+            swap_dynamo_callback(callback)

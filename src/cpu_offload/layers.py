@@ -8,7 +8,7 @@ function, by replacing the ``forward`` of each layer instance (not of its class)
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -17,7 +17,8 @@ from torch import nn
 from ._args import check_int
 from ._compat import in_backward
 from ._compile import keep_engine_out_of_compile
-from ._layer_runner import Runner, StepWatch, sync_first
+from ._layer_parts import PartChoice, PartPlan, check_parts
+from ._layer_runner import PartRunner, Runner, StepWatch, sync_first
 from ._layer_stack import check_indices, find_layers, offload_schedule
 from ._layer_wrap import Patch, patch_layer, wrap_of
 from ._log import logger
@@ -43,8 +44,10 @@ class OffloadedLayers:
     Attributes:
         layers: The layers, in forward order (the modules themselves).
         num_layers: How many there are.
-        offloaded: Indices of the offloaded layers, sorted.
+        offloaded: Indices of the offloaded layers, sorted (with the layers that offload
+            a part).
         recomputed: Indices of the recomputed (checkpointed) layers, sorted.
+        parts: Per layer, what each of its parts does (``{index: {name: choice}}``).
         backend: ``"v1"`` or ``"v2"``, or None when no layer is offloaded.
         context: The offload context the layers run in (None when none is offloaded).
         sync: Its sync (V2) or commit (V1) function, or None.
@@ -63,12 +66,14 @@ class OffloadedLayers:
         self._context_kwargs = context_kwargs
         self._describe(backend)
         self._installed: dict[int, Patch] = {}
+        self._installed_parts: dict[tuple[int, str], Patch] = {}
         self._removed = False
 
     def _describe(self, backend: str | None) -> None:
         runner = self._runner
         self.offloaded = tuple(sorted(runner.offloaded))
         self.recomputed = tuple(sorted(runner.recomputed))
+        self.parts = {j: {name: c.value for name, c in p.items()} for j, p in runner.parts.items()}
         self.backend = backend
         self.context = runner.context
         self.sync = runner.sync
@@ -77,7 +82,13 @@ class OffloadedLayers:
         """Wrap every layer, once any is offloaded or recomputed or the steps are watched:
         the runner counts each layer for the schedule and sees where a forward begins."""
         runner = self._runner
-        if runner.context is None and not runner.recomputed and runner.watch is None:
+        self._install_parts()
+        if (
+            runner.context is None
+            and not runner.recomputed
+            and not runner.parts
+            and runner.watch is None
+        ):
             return  # every layer kept: nothing to run through the handle
         added: list[int] = []
         try:
@@ -92,6 +103,17 @@ class OffloadedLayers:
                 self._installed.pop(index).undo()
             raise
 
+    def _install_parts(self) -> None:
+        """Put a :class:`PartRunner` in front of each part the runner names, and take it
+        from the parts it no longer names."""
+        wanted = {(j, name) for j, p in self._runner.parts.items() for name in p}
+        for key in [k for k in self._installed_parts if k not in wanted]:
+            self._installed_parts.pop(key).undo()
+        for j, name in sorted(wanted - set(self._installed_parts)):
+            module = self.layers[j].get_submodule(name)
+            runner = PartRunner(self._runner, j, name)
+            self._installed_parts[(j, name)] = patch_layer(module, runner, j)
+
     def _check_usable(self, method: str) -> None:
         if self._removed:
             raise RuntimeError(
@@ -104,8 +126,14 @@ class OffloadedLayers:
                 "training steps"
             )
 
-    def reassign(self, *, offloaded: Iterable[int] = (), recomputed: Iterable[int] = ()) -> None:
-        """Offload and recompute other layers, from the next forward on.
+    def reassign(
+        self,
+        *,
+        offloaded: Iterable[int] = (),
+        recomputed: Iterable[int] = (),
+        parts: Mapping[int, Mapping[str, str]] | None = None,
+    ) -> None:
+        """Offload and recompute other layers (or parts of layers), from the next forward on.
 
         The offload context is made again with the arguments :func:`offload_layers`
         was given. Call it between training steps (after a backward, before the next
@@ -114,6 +142,7 @@ class OffloadedLayers:
         Args:
             offloaded: Layer indices to offload.
             recomputed: Layer indices to recompute; none of them offloaded.
+            parts: Choices for parts of other layers, as :func:`offload_layers` takes them.
 
         Raises:
             RuntimeError: After :meth:`remove`, or during a forward or a backward.
@@ -121,8 +150,9 @@ class OffloadedLayers:
         """
         self._check_usable("reassign")
         offloaded_set, recomputed_set = _checked_sets(None, offloaded, recomputed, self.num_layers)
+        part_plan = check_parts(parts, self.layers, offloaded_set | recomputed_set)
         runner, backend = layer_runner(
-            self.num_layers, offloaded_set, recomputed_set, **self._context_kwargs
+            self.num_layers, offloaded_set, recomputed_set, parts=part_plan, **self._context_kwargs
         )
         self._runner.take(runner)
         self._describe(backend)
@@ -177,11 +207,13 @@ class OffloadedLayers:
             RuntimeError: If a layer's ``forward`` (or class) was replaced again after
                 :func:`offload_layers` wrapped it (removing ours would drop that one too).
         """
-        for patch in self._installed.values():
+        patches = [*self._installed.values(), *self._installed_parts.values()]
+        for patch in patches:
             patch.check()
-        for patch in self._installed.values():
+        for patch in patches:
             patch.undo()
         self._installed.clear()
+        self._installed_parts.clear()
         self._runner.watch = None
         # The handle usually outlives remove() (a variable holds it), and with it the
         # transport: its host buffers, free again after each backward, are dropped now.
@@ -205,8 +237,9 @@ class OffloadedLayers:
     def __repr__(self) -> str:
         return (
             f"OffloadedLayers(num_layers={self.num_layers}, offloaded={list(self.offloaded)}, "
-            f"recomputed={list(self.recomputed)}, backend={self.backend!r}, "
-            f"active={self.active})"
+            f"recomputed={list(self.recomputed)}, "
+            + (f"parts={self.parts}, " if self.parts else "")
+            + f"backend={self.backend!r}, active={self.active})"
         )
 
 
@@ -283,6 +316,7 @@ def layer_runner(
     num_layers: int,
     offloaded: frozenset[int],
     recomputed: frozenset[int],
+    parts: PartPlan | None = None,
     **context_kwargs: Any,
 ) -> tuple[Runner, str | None]:
     """What runs each layer of :func:`offload_layers`, and its backend (None: none offloaded).
@@ -290,20 +324,31 @@ def layer_runner(
     The runner is called as ``runner(index, forward, args, kwargs)``; anything that
     replaces the layers' forward (``offload_layers``, the variants of ``compare``) calls
     it. ``offloaded`` and ``recomputed`` are checked indices (see
-    :func:`cpu_offload._layer_stack.check_indices`), disjoint.
+    :func:`cpu_offload._layer_stack.check_indices`), disjoint; ``parts`` is checked
+    (:func:`cpu_offload._layer_parts.check_parts`), and a layer with an offloaded part
+    counts as offloaded (NOTE [Parts of a layer]).
 
     Raises:
-        ValueError: If the backend cannot offload the set (V1: only the first k; V2: not
-            all of the layers).
+        ValueError: If the backend cannot offload the set (V1: only the first k, and no
+            parts; V2: not all of the layers).
     """
     keep_engine_out_of_compile()  # see NOTE [torch.compile and the offload engine]
     v1 = use_v1()
+    parts = parts or {}
+    with_parts = frozenset(j for j, p in parts.items() if PartChoice.OFFLOAD in p.values())
+    if v1 and with_parts:
+        raise ValueError(
+            f"parts: layers {sorted(with_parts)} offload parts, which the V1 backend "
+            f"({ENV_VAR} is set) cannot do (it offloads whole layers); unset {ENV_VAR}, "
+            "or offload these layers whole"
+        )
+    offloaded = offloaded | with_parts
     context = sync = None
     backend = None
     if offloaded:
         context, sync = _make_context(offloaded, num_layers, v1, context_kwargs)
         backend = "v1" if v1 else "v2"
-    runner = Runner(context, sync, offloaded, recomputed, num_layers, mark_outputs=v1)
+    runner = Runner(context, sync, offloaded, recomputed, num_layers, mark_outputs=v1, parts=parts)
     return runner, backend
 
 
@@ -313,6 +358,7 @@ def offload_layers(
     *,
     offloaded: Iterable[int] | None = None,
     recomputed: Iterable[int] = (),
+    parts: Mapping[int, Mapping[str, str]] | None = None,
     **context_kwargs: Any,
 ) -> OffloadedLayers:
     """Offload the activations of a model's layers, without editing the model's code.
@@ -351,6 +397,13 @@ def offload_layers(
             offload before the forward of layer ``n-m+j``, as in the default schedule.
         recomputed: Layer indices to recompute in backward instead of keeping their
             activations; none of them may be offloaded.
+        parts: Per layer, a choice for some of its submodules (V2 only for
+            ``"offload"``): ``{3: {"self_attention.core_attention": "recompute",
+            "mlp": "offload"}}``. What a part saves for backward is kept (``"keep"``),
+            offloaded (``"offload"``: the layer then counts as offloaded for the
+            schedule) or recomputed in backward (``"recompute"``: the part runs through
+            the same checkpoint as a recomputed layer); what the layer saves outside its
+            parts is kept. A layer given parts is not in ``offloaded`` or ``recomputed``.
         **context_kwargs: Passed to :func:`cpu_offload.get_cpu_offload_context`
             (``transport``, ``min_tensor_size_to_offload``, ``offload_stream``, ...).
 
@@ -361,10 +414,12 @@ def offload_layers(
     Raises:
         TypeError: If the layers cannot be found in what was passed, an index is not an
             int, or ``context_kwargs`` names an argument this function sets itself.
-        ValueError: If both ``num_offloaded`` and ``offloaded`` are given, neither they
-            nor ``recomputed`` ask for anything, an index is out of range, a layer is
-            both offloaded and recomputed, the layers are already wrapped, or the
-            backend cannot offload the set (V1: only the first k; V2: not all of them).
+        ValueError: If both ``num_offloaded`` and ``offloaded`` are given, none of them,
+            ``recomputed`` and ``parts`` asks for anything, an index is out of range, a
+            layer is both offloaded and recomputed (or given parts too), a part is not a
+            submodule of its layer or lies inside another, a choice is unknown, the
+            layers are already wrapped, or the backend cannot offload the set (V1: only
+            the first k and no parts; V2: not all of them).
 
     Example:
         >>> import torch, cpu_offload
@@ -383,10 +438,11 @@ def offload_layers(
             "pass num_offloaded or offloaded instead"
         )
     offloaded_set, recomputed_set = _checked_sets(num_offloaded, offloaded, recomputed, n)
-    if num_offloaded is None and offloaded is None and not recomputed_set:
+    part_plan = check_parts(parts, layers, offloaded_set | recomputed_set)
+    if num_offloaded is None and offloaded is None and not recomputed_set and not part_plan:
         raise ValueError(
-            "offload_layers: nothing to do; pass num_offloaded=k, offloaded=[...] or "
-            "recomputed=[...]"
+            "offload_layers: nothing to do; pass num_offloaded=k, offloaded=[...], "
+            "recomputed=[...] or parts={...}"
         )
     for index, layer in enumerate(layers):
         if wrap_of(layer) is not None:
@@ -394,7 +450,9 @@ def offload_layers(
                 f"offload_layers: layer {index} ({type(layer).__name__}) is already wrapped "
                 "by offload_layers; call remove() on that handle first"
             )
-    runner, backend = layer_runner(n, offloaded_set, recomputed_set, **context_kwargs)
+    runner, backend = layer_runner(
+        n, offloaded_set, recomputed_set, parts=part_plan, **context_kwargs
+    )
     handle = OffloadedLayers(layers, runner, backend, context_kwargs)
     handle._install()
     logger.debug("offload_layers: %r", handle)
