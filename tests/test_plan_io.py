@@ -17,7 +17,16 @@ from cpu_offload.plan.io import (
     plan_to_dict,
     save_plan,
 )
-from cpu_offload.plan.model import Choice, HostCost, LayerCost, Link, Profile
+from cpu_offload.plan.model import (
+    Choice,
+    HostCost,
+    LayerCost,
+    Link,
+    PartCost,
+    Parts,
+    Profile,
+    Storage,
+)
 from cpu_offload.plan.search import Plan, search
 
 
@@ -165,3 +174,67 @@ def test_load_names_the_file(tmp_path: Path) -> None:
     path.write_text(json.dumps({"format": FORMAT}))
     with pytest.raises(PlanFileError, match="bad.json: missing field plan.version"):
         load_plan(path)
+
+
+def _parts_plan() -> Plan:
+    storages = (Storage(100, 100), Storage(40, 0, outside=True))
+    parts = (
+        PartCost("core", 0.5, 0.25, saved=(0,), inputs=(1,)),
+        PartCost("mlp", 1.0, 0.5, saved=(), inputs=(0,)),
+    )
+    layer = LayerCost(1.0, 2.0, 100, 100, 10, storages=storages, parts=parts)
+    profile = Profile((layer, layer), Link(0.001, 0.001), 10, 0.25, "a test device")
+    choice = Parts((("core", Choice.RECOMPUTE), ("mlp", Choice.KEEP)))
+    return Plan((choice, Choice.KEEP), 500, 4.5, 150, profile)
+
+
+def test_round_trip_keeps_part_by_part_choices_and_the_parts() -> None:
+    plan = _parts_plan()
+    data = json.loads(json.dumps(plan_to_dict(plan)))
+    assert data["choices"][0] == {"parts": [["core", "recompute"], ["mlp", "keep"]]}
+    loaded = plan_from_dict(data)
+    assert loaded == plan and loaded.profile == plan.profile
+    # Without the profile, the choices alone load too.
+    del data["profile"]
+    assert plan_from_dict(data).choices == plan.choices
+
+
+def test_a_file_written_before_parts_were_profiled_loads_without_them() -> None:
+    data = plan_to_dict(_plan())
+    for layer in data["profile"]["layers"]:
+        del layer["storages"], layer["parts"]
+    loaded = plan_from_dict(data)
+    assert loaded.profile is not None
+    assert all(c.parts == () and c.storages == () for c in loaded.profile.layers)
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (
+            lambda d: d["choices"].__setitem__(0, {"parts": [["core", "drop"]]}),
+            r"plan.choices\[0\].parts: 'core' has no choice 'drop'",
+        ),
+        (
+            lambda d: d["choices"].__setitem__(0, {"layers": []}),
+            r"plan.choices\[0\] must be a choice or \{\"parts\"",
+        ),
+        (
+            lambda d: d["choices"].__setitem__(0, {"parts": [["attn", "recompute"]]}),
+            r"the parts must be those profiled for layer 0 \(core, mlp\)",
+        ),
+        (
+            lambda d: d["profile"]["layers"][0]["storages"].__setitem__(0, [10, 20, True]),
+            r"plan.profile.layers\[0\].storages\[0\] must be \[bytes, offload bytes <= bytes",
+        ),
+        (
+            lambda d: d["profile"]["layers"][0]["parts"][0].update(saved=[5]),
+            r"plan.profile.layers\[0\].parts\[0\].saved must list storage indices in \[0, 1\]",
+        ),
+    ],
+)
+def test_bad_part_fields_are_named(edit, match: str) -> None:  # type: ignore[no-untyped-def]
+    data = json.loads(json.dumps(plan_to_dict(_parts_plan())))
+    edit(data)
+    with pytest.raises(PlanFileError, match=match):
+        plan_from_dict(data)

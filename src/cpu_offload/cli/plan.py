@@ -81,15 +81,18 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
     p = subparsers.add_parser(
         "plan",
-        help="choose per layer: keep, offload or recompute, for a memory budget",
+        help="choose per layer (or part of a layer): keep, offload or recompute, for a "
+        "memory budget",
         description=(
-            "Profiles the model in a few steps, chooses per layer whether to keep, offload "
-            "or recompute its activations so that the modelled peak stays within the budget "
-            "and the modelled step is fastest, then runs the plan and the best single method "
-            "(offload k, recompute k, recompute all) at the same or a lower modelled peak, "
-            "and prints modelled against measured step and peak. Without a GPU the layers "
-            "run on the CPU stand-in: times are CPU times and there is no device memory to "
-            "measure."
+            "Profiles the model in a few steps, chooses per layer, or per part of a layer "
+            "(its attention core, its MLP, ...), whether to keep, offload or recompute its "
+            "activations so that the modelled peak stays within the budget and the modelled "
+            "step is fastest, then runs the plan, the best single method (offload k, "
+            "recompute k, recompute all) and the best one-part method (one part recomputed "
+            "or offloaded in every layer, as Megatron-LM's recompute_modules) at the same or "
+            "a lower modelled peak, and prints modelled against measured step and peak and "
+            "what each layer keeps, offloads and recomputes. Without a GPU the layers run on "
+            "the CPU stand-in: times are CPU times and there is no device memory to measure."
         ),
     )
     p.add_argument(
@@ -105,6 +108,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_output_option(p, "--save", "PLAN.json", "save the plan (with its profile)")
     add_output_option(p, "--json", "PATH", "write the figures as JSON")
     p.add_argument("--no-measure", action="store_true", help="print the model's figures only")
+    p.add_argument(
+        "--no-parts",
+        action="store_true",
+        help="plan whole layers only (by default each layer's parts, such as its attention "
+        "core and its MLP, may be kept, offloaded or recomputed on their own)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(run=run, command_parser=p)
     return p
@@ -135,10 +144,16 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: Sequen
     import torch
 
     from ..compare.workload import spec_workload
-    from ..plan.io import PlanFileError, load_plan, save_plan
+    from ..plan.io import PlanFileError, choice_to_json, load_plan, save_plan
     from ..plan.model import Choice, estimate
     from ..plan.profile import measure_choices, profile_model
-    from ..plan.search import NoPlanFits, best_single_methods, search, single_methods
+    from ..plan.search import (
+        NoPlanFits,
+        best_single_methods,
+        part_methods,
+        search,
+        single_methods,
+    )
 
     plan_parser: argparse.ArgumentParser = args.command_parser
     steps = args.steps or 3
@@ -172,7 +187,13 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: Sequen
             )
     else:
         progress(f"profiling the {num_layers} layers of {workload.description} on {device}")
-        profile = profile_model(model, step, steps=steps, min_tensor_size_to_offload=min_numel)
+        profile = profile_model(
+            model,
+            step,
+            steps=steps,
+            min_tensor_size_to_offload=min_numel,
+            parts=not args.no_parts,
+        )
     n = profile.num_layers
     keep = estimate(profile, [Choice.KEEP] * n)
     budget = args.budget
@@ -180,23 +201,26 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: Sequen
         # At least one byte: a fraction too small for that gets "no plan fits" as well.
         budget = max(1, int(budget * keep.peak_bytes))
     try:
-        plan = search(profile, budget)
+        plan = search(profile, budget, parts=not args.no_parts)
     except NoPlanFits as err:
         plan_parser.error(f"--budget: {err}")
-    single = best_single_methods(profile, plan.peak_bytes)
     rows: list[dict[str, Any]] = [
         {"name": "no offloading", "choices": (Choice.KEEP,) * n, "modelled": keep},
-        {"name": f"plan {plan.describe()}", "choices": plan.choices, "modelled": None},
+        {
+            "name": f"plan {plan.describe()}",
+            "choices": plan.choices,
+            "modelled": estimate(profile, plan.choices),
+        },
     ]
-    rows[1]["modelled"] = estimate(profile, plan.choices)
-    if single is not None:
-        rows.append(
-            {
-                "name": f"best single method: {single[0]}",
-                "choices": single_methods(n)[single[0]],
-                "modelled": single[1],
-            }
-        )
+    for label, methods in (
+        ("best single method", single_methods(n)),
+        ("best one-part method", {} if args.no_parts else part_methods(profile)),
+    ):
+        best = best_single_methods(profile, plan.peak_bytes, methods) if methods else None
+        if best is not None:
+            rows.append(
+                {"name": f"{label}: {best[0]}", "choices": methods[best[0]], "modelled": best[1]}
+            )
     for row in rows:
         row["measured"] = (None, None)
         if not args.no_measure:
@@ -207,7 +231,8 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: Sequen
     print(
         f"Plan for the {n} layers of {workload.description} on {profile.device}, budget {_gib(budget)} GiB "
         f"({budget / keep.peak_bytes:.2f} of the modelled peak without offloading); "
-        f"offloaded layers {list(plan.offloaded)}, recomputed {list(plan.recomputed)}."
+        f"offloaded layers {list(plan.offloaded)}, recomputed {list(plan.recomputed)}"
+        + (f", part by part {sorted(plan.parts)}." if plan.parts else ".")
     )
     if not gpu:
         print("CPU stand-in: measured times are CPU times; no device memory is measured.")
@@ -220,6 +245,8 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: Sequen
             f"| {row['name']} | {est.step_ms:.1f} | {_gib(est.peak_bytes)} | {_ms(ms)} | "
             f"{_gib(peak)} |"
         )
+    print()
+    _print_layers(profile, plan)
     if args.save:
         save_plan(plan, args.save)
         progress(f"wrote {args.save}")
@@ -227,7 +254,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: Sequen
         out = [
             {
                 "name": r["name"],
-                "choices": [c.value for c in r["choices"]],
+                "choices": [choice_to_json(c) for c in r["choices"]],
                 "modelled_step_ms": r["modelled"].step_ms,
                 "modelled_peak_bytes": r["modelled"].peak_bytes,
                 "measured_step_ms": r["measured"][0],
@@ -239,3 +266,27 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: Sequen
             json.dump({"device": profile.device, "budget_bytes": budget, "rows": out}, fh, indent=2)
         progress(f"wrote {args.json}")
     return 0
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:,.0f}"
+
+
+def _print_layers(profile: Any, plan: Any) -> None:
+    """Per layer, what the plan does with it and its bytes; per part, where it has any."""
+    from ..plan.model import Choice, Parts
+    from ..plan.usage import layer_bytes
+
+    print("| layer | choice | kept MiB | offloaded MiB | recomputed MiB | parts |")
+    print("|---:|---|---:|---:|---:|---|")
+    for j, (cost, choice) in enumerate(zip(profile.layers, plan.choices, strict=True)):
+        kept, moved, rerun = layer_bytes(cost, choice)
+        parts = ""
+        if isinstance(choice, Parts):
+            shown = []
+            for part, (_, c) in zip(cost.parts, choice.choices, strict=True):
+                size = sum(cost.storages[i].nbytes for i in part.saved)
+                shown.append(f"{part.name} {c.value} {_mib(size)}")
+            parts = "; ".join(shown)
+        name = "part by part" if isinstance(choice, Parts) else Choice(choice).value
+        print(f"| {j} | {name} | {_mib(kept)} | {_mib(moved)} | {_mib(rerun)} | {parts} |")

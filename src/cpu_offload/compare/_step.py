@@ -103,8 +103,12 @@ class Installed:
                 return out
 
             layer.forward = forward  # type: ignore[method-assign]
+        self._patches = variant.install(list(workload.layers))
 
     def remove(self) -> None:
+        for patch in self._patches:
+            patch.undo()
+        self._patches = []
         for layer, had_own, previous in self._saved:
             if had_own:
                 layer.forward = previous  # type: ignore[method-assign]

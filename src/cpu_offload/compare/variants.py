@@ -88,6 +88,11 @@ class Variant(ABC):
         self.transports.append(t)
         return t
 
+    def install(self, layers: list[torch.nn.Module]) -> list[Any]:
+        """Wrap what runs inside ``layers`` (parts of a layer, say) beside the layers'
+        forwards; the patches returned are undone when the variant is removed."""
+        return []
+
     @abstractmethod
     def call(
         self, index: int, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict

@@ -1,6 +1,7 @@
 """Plan activation memory per layer: keep, offload or recompute, for a memory budget.
 
-:func:`profile_model` measures a model in a few steps, :func:`search` chooses per layer
+:func:`profile_model` measures a model in a few steps (with ``parts=True`` also the parts
+of each layer), :func:`search` chooses per layer, or per part of a layer (:class:`Parts`),
 the plan whose modelled step is fastest within a budget (:func:`estimate` is the model),
 :func:`apply_plan` runs it through :func:`cpu_offload.offload_layers`, and
 :func:`save_plan` / :func:`load_plan` keep it between runs.
@@ -11,9 +12,28 @@ from __future__ import annotations
 from .apply import apply_plan
 from .budget import BudgetCheck, PlanOverBudget
 from .io import PlanFileError, load_plan, save_plan
-from .model import Choice, Estimate, HostCost, LayerCost, Link, Profile, estimate
+from .model import (
+    Choice,
+    Estimate,
+    HostCost,
+    LayerCost,
+    Link,
+    PartCost,
+    Parts,
+    Profile,
+    Storage,
+    estimate,
+)
 from .profile import profile_model
-from .search import NoPlanFits, Plan, best_single_methods, search, single_methods
+from .search import (
+    NoPlanFits,
+    Plan,
+    best_single_methods,
+    layer_options,
+    part_methods,
+    search,
+    single_methods,
+)
 
 __all__ = [
     "BudgetCheck",
@@ -23,14 +43,19 @@ __all__ = [
     "LayerCost",
     "Link",
     "NoPlanFits",
+    "PartCost",
+    "Parts",
     "Plan",
     "PlanFileError",
     "PlanOverBudget",
     "Profile",
+    "Storage",
     "apply_plan",
     "best_single_methods",
     "estimate",
+    "layer_options",
     "load_plan",
+    "part_methods",
     "profile_model",
     "save_plan",
     "search",

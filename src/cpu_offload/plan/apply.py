@@ -74,7 +74,8 @@ def apply_plan(
     Offloaded layers run under the offload context with the schedule the plan was
     modelled with; recomputed layers run through
     ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``, recomputed to the end of
-    their forward; kept layers run as they are. Results are bit-identical to the model
+    their forward; layers planned part by part get their parts' choices
+    (``offload_layers(parts=...)``); kept layers run as they are. Results are bit-identical to the model
     without offloading.
 
     On a GPU the first training step's peak memory is checked against the plan's
@@ -121,7 +122,11 @@ def apply_plan(
     # offloaded=() (not None) so that a plan keeping every layer is a valid no-op.
     with as_modelled():
         handle = offload_layers(
-            layers, offloaded=plan.offloaded, recomputed=plan.recomputed, **context_kwargs
+            layers,
+            offloaded=plan.offloaded,
+            recomputed=plan.recomputed,
+            parts=plan.parts,
+            **context_kwargs,
         )
     devices = {p.device for layer in layers for p in layer.parameters() if p.is_cuda}
     if check_budget and devices:

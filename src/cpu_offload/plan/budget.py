@@ -153,7 +153,9 @@ class BudgetCheck:
 
             plan, self._pending = self._pending, None
             with as_modelled():
-                self.handle.reassign(offloaded=plan.offloaded, recomputed=plan.recomputed)
+                self.handle.reassign(
+                    offloaded=plan.offloaded, recomputed=plan.recomputed, parts=plan.parts
+                )
             self.plan = plan
         if self.done:
             return

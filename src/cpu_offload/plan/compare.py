@@ -5,6 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from torch import nn
+
+from .._layer_parts import PartChoice, check_parts
+from .._layer_runner import PartRunner
+from .._layer_wrap import Patch, patch_layer
 from ..compare.variants import Variant
 from ..engine.transport import Transport
 from ..layers import layer_runner
@@ -15,7 +20,8 @@ __all__ = ["PlanVariant", "plan_variant"]
 
 
 class PlanVariant(Variant):
-    """Runs each layer as ``plan`` says: kept, offloaded (its schedule) or recomputed.
+    """Runs each layer as ``plan`` says: kept, offloaded (its schedule), recomputed, or
+    part by part.
 
     Each layer runs through the runner of :func:`cpu_offload.offload_layers` (the
     one-call API), so that the row measures what :func:`cpu_offload.plan.apply_plan`
@@ -49,23 +55,42 @@ class PlanVariant(Variant):
         check_plan_layers(plan, num_layers)
         self.plan = plan
         kwargs: dict[str, Any] = {"min_tensor_size_to_offload": min_numel}
-        transport = self._transport() if plan.offloaded else None
+        offloads = bool(plan.offloaded) or any(
+            "offload" in choices.values() for choices in plan.parts.values()
+        )
+        transport = self._transport() if offloads else None
         if transport is not None:
             kwargs["transport"] = transport
+        # The part names are checked against the layers in install().
+        parts = {j: {n: PartChoice(c) for n, c in p.items()} for j, p in plan.parts.items()}
         with as_modelled():
             self.runner, _ = layer_runner(
-                num_layers, frozenset(plan.offloaded), frozenset(plan.recomputed), **kwargs
+                num_layers,
+                frozenset(plan.offloaded),
+                frozenset(plan.recomputed),
+                parts=parts,
+                **kwargs,
             )
         if transport is None and self.runner.transport is not None:
             self.transports.append(self.runner.transport)
 
     @property
     def offloaded_layers(self) -> tuple[int, ...]:
-        return self.plan.offloaded
+        # With the layers that offload a part: they follow the schedule too.
+        return tuple(sorted(self.runner.offloaded))
 
     @property
     def recomputed_layers(self) -> tuple[int, ...]:
         return self.plan.recomputed
+
+    def install(self, layers: list[nn.Module]) -> list[Patch]:
+        """Put a part runner in front of each part the plan gives a choice."""
+        parts = check_parts(self.plan.parts, layers, self.plan.offloaded + self.plan.recomputed)
+        return [
+            patch_layer(layers[j].get_submodule(name), PartRunner(self.runner, j, name), j)
+            for j, choices in parts.items()
+            for name in choices
+        ]
 
     def call(
         self, index: int, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict

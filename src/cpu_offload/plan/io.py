@@ -11,16 +11,27 @@ import json
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import MISSING, asdict, fields
+from dataclasses import MISSING, asdict, fields, replace
 from typing import Any
 
-from .model import Choice, HostCost, LayerCost, Link, Profile, check_choices  # noqa: F401
+from .model import (  # noqa: F401
+    Choice,
+    HostCost,
+    LayerCost,
+    Link,
+    PartCost,
+    Parts,
+    Profile,
+    Storage,
+    check_choices,
+)
 from .search import Plan
 
 __all__ = [
     "FORMAT",
     "VERSION",
     "PlanFileError",
+    "choice_to_json",
     "load_plan",
     "plan_from_dict",
     "plan_to_dict",
@@ -61,10 +72,28 @@ def _profile_to_dict(profile: Profile) -> dict[str, Any]:
                 "input_bytes": c.input_bytes,
                 "workspace_bytes": c.workspace_bytes,
                 "host": None if c.host is None else asdict(c.host),
+                "storages": [[s.nbytes, s.offload_bytes, s.outside] for s in c.storages],
+                "parts": [
+                    {
+                        "name": p.name,
+                        "forward_ms": p.forward_ms,
+                        "host_ms": p.host_ms,
+                        "saved": list(p.saved),
+                        "inputs": list(p.inputs),
+                    }
+                    for p in c.parts
+                ],
             }
             for c in profile.layers
         ],
     }
+
+
+def choice_to_json(choice: Choice | Parts) -> object:
+    """One layer's choice as a plan file holds it."""
+    if isinstance(choice, Parts):
+        return {"parts": [[name, c.value] for name, c in choice.choices]}
+    return choice.value
 
 
 def plan_to_dict(plan: Plan) -> dict[str, Any]:
@@ -79,7 +108,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "format": FORMAT,
         "version": VERSION,
         "num_layers": len(plan.choices),
-        "choices": [c.value for c in plan.choices],
+        "choices": [choice_to_json(c) for c in plan.choices],
         "budget_bytes": plan.budget_bytes,
         "modelled": {"step_ms": plan.step_ms, "peak_bytes": plan.peak_bytes},
     }
@@ -159,6 +188,79 @@ def _host_from(r: _Reader) -> HostCost:
     )
 
 
+def _storages_from(r: _Reader) -> tuple[Storage, ...]:
+    out = []
+    for k, item in enumerate(r.listing("storages")):
+        path = f"{r.path}.storages[{k}]"
+        if (
+            not isinstance(item, list)
+            or len(item) != 3
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in item[:2])
+            or not isinstance(item[2], bool)
+            or item[1] > item[0]
+        ):
+            raise PlanFileError(
+                f"{path} must be [bytes, offload bytes <= bytes, outside (true or false)], "
+                f"got {item!r}"
+            )
+        out.append(Storage(item[0], item[1], item[2]))
+    return tuple(out)
+
+
+def _parts_from(r: _Reader, num_storages: int) -> tuple[PartCost, ...]:
+    out = []
+    for k, item in enumerate(r.listing("parts")):
+        pr = _Reader(item, f"{r.path}.parts[{k}]")
+        indices: dict[str, tuple[int, ...]] = {}
+        for key in ("saved", "inputs"):
+            values = pr.listing(key)
+            checked = [
+                v
+                for v in values
+                if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < num_storages
+            ]
+            if len(checked) != len(values):
+                raise PlanFileError(
+                    f"{pr.path}.{key} must list storage indices in [0, {num_storages - 1}], "
+                    f"got {values!r}"
+                )
+            indices[key] = tuple(checked)
+        out.append(
+            PartCost(
+                pr.text("name"),
+                pr.number("forward_ms"),
+                pr.number("host_ms"),
+                indices["saved"],
+                indices["inputs"],
+            )
+        )
+    return tuple(out)
+
+
+def _choice_from(i: int, raw: object) -> object:
+    """A layer's choice as :func:`cpu_offload.plan.model.check_choices` takes it."""
+    if not isinstance(raw, Mapping):
+        return raw
+    pairs = raw.get("parts")
+    if set(raw) != {"parts"} or not isinstance(pairs, list):
+        raise PlanFileError(
+            f'plan.choices[{i}] must be a choice or {{"parts": [[name, choice], ...]}}, got {raw!r}'
+        )
+    out = []
+    for pair in pairs:
+        if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str)):
+            raise PlanFileError(
+                f"plan.choices[{i}].parts must hold [name, choice] pairs, got {pair!r}"
+            )
+        try:
+            out.append((pair[0], Choice(pair[1])))
+        except ValueError:
+            raise PlanFileError(
+                f"plan.choices[{i}].parts: {pair[0]!r} has no choice {pair[1]!r}"
+            ) from None
+    return Parts(tuple(out))
+
+
 def _profile_from(r: _Reader) -> Profile:
     link = r.child("link")
     layers = []
@@ -174,7 +276,11 @@ def _profile_from(r: _Reader) -> Profile:
             workspace_bytes=lr.count("workspace_bytes"),
             # Absent from files written before the host's time was measured.
             host=_host_from(lr.child("host")) if lr.data.get("host") is not None else None,
+            # Absent from files written before parts were profiled.
+            storages=_storages_from(lr) if "storages" in lr.data else (),
         )
+        if lr.data.get("parts"):
+            cost = replace(cost, parts=_parts_from(lr, len(cost.storages)))
         if cost.offload_bytes > cost.saved_bytes:
             raise PlanFileError(
                 f"{lr.path}.offload_bytes ({cost.offload_bytes}) must be at most "
@@ -222,7 +328,7 @@ def plan_from_dict(data: object) -> Plan:
             f"version {VERSION}); make the plan again"
         )
     n = r.count("num_layers")
-    raw = r.listing("choices")
+    raw = [_choice_from(i, c) for i, c in enumerate(r.listing("choices"))]
     try:
         choices = check_choices(raw, n)
     except ValueError as exc:
@@ -233,6 +339,11 @@ def plan_from_dict(data: object) -> Plan:
         raise PlanFileError(
             f"plan.profile.layers has {profile.num_layers} entries, plan.num_layers is {n}"
         )
+    if profile is not None:
+        try:  # per part choices against the profiled parts
+            choices = check_choices(choices, n, profile.layers)
+        except ValueError as exc:
+            raise PlanFileError(f"plan.{exc}") from None
     budget = r.count("budget_bytes")
     return Plan(
         choices,

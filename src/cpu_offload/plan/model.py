@@ -20,13 +20,14 @@ forward run again) counts in full, as it does in the measured step.
 
 from __future__ import annotations
 
-import enum
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .._layer_stack import offload_schedule as layer_stack_schedule
 from ..v2.schedule import Point, Schedule, SyncDict, validate_synchronization_dict
+from .costs import Choice, HostCost, LayerCost, PartCost, Parts, Storage
+from .usage import is_offloaded, use_of
 
 __all__ = [
     "Choice",
@@ -34,127 +35,14 @@ __all__ = [
     "HostCost",
     "LayerCost",
     "Link",
+    "PartCost",
+    "Parts",
     "Profile",
+    "Storage",
     "check_choices",
     "estimate",
     "offload_schedule",
 ]
-
-
-class Choice(str, enum.Enum):
-    """What a plan does with one layer's saved activations."""
-
-    KEEP = "keep"
-    OFFLOAD = "offload"
-    RECOMPUTE = "recompute"
-
-
-@dataclass(frozen=True)
-class HostCost:
-    """The host's time for one layer's work (ms): Python, autograd and kernel launches.
-
-    Every field is at least 0.
-
-    Attributes:
-        forward_ms: The forward of a kept layer.
-        backward_ms: The backward of a kept layer.
-        offload_forward_ms: What offloading adds to the forward (the saved-tensor hooks,
-            the copies to queue).
-        offload_backward_ms: What offloading adds to the backward (the reloads to queue,
-            the tensors to rebuild).
-        recompute_forward_ms: What recomputing adds to the forward (the checkpoint's
-            hooks).
-        recompute_backward_ms: What recomputing adds to the backward: the forward run
-            again, and the checkpoint's unpacking.
-        engaged_forward_ms: What the offload engine adds to the forward of a layer it
-            does not offload, in a plan that offloads some layer: every layer then runs
-            under the offload context and its sync (``offload_forward_ms`` includes it).
-        engaged_backward_ms: The same for the backward.
-    """
-
-    forward_ms: float
-    backward_ms: float
-    offload_forward_ms: float = 0.0
-    offload_backward_ms: float = 0.0
-    recompute_forward_ms: float = 0.0
-    recompute_backward_ms: float = 0.0
-    engaged_forward_ms: float = 0.0
-    engaged_backward_ms: float = 0.0
-
-    def forward(self, choice: Choice, engaged: bool = False) -> float:
-        """Host time of the layer's forward under ``choice``; ``engaged``: the plan
-        offloads some layer."""
-        return _plus(
-            self.forward_ms,
-            choice,
-            self.offload_forward_ms,
-            self.recompute_forward_ms,
-            self.engaged_forward_ms if engaged else 0.0,
-        )
-
-    def backward(self, choice: Choice, engaged: bool = False) -> float:
-        """Host time of the layer's backward (with its recomputation) under ``choice``;
-        ``engaged``: the plan offloads some layer."""
-        return _plus(
-            self.backward_ms,
-            choice,
-            self.offload_backward_ms,
-            self.recompute_backward_ms,
-            self.engaged_backward_ms if engaged else 0.0,
-        )
-
-
-def _plus(
-    kept_ms: float, choice: Choice, offload_ms: float, recompute_ms: float, engaged_ms: float
-) -> float:
-    # Called for every layer of every plan the search scores: plain branches, no lookups.
-    if choice is Choice.OFFLOAD:
-        kept_ms += offload_ms
-    else:
-        kept_ms += engaged_ms
-        if choice is Choice.RECOMPUTE:
-            kept_ms += recompute_ms
-    return max(kept_ms, 0.0)
-
-
-@dataclass(frozen=True)
-class LayerCost:
-    """What one layer costs in one training step.
-
-    With :attr:`host` set, the times are the device's alone (the compute stream's, with
-    the host far ahead) and ``host`` holds the host's; without it, each time is what the
-    layer took in a plain step, host and device together.
-
-    Attributes:
-        forward_ms: Forward time.
-        backward_ms: Backward time (without recomputation).
-        saved_bytes: Bytes the layer keeps for backward (distinct storages, no parameters).
-        offload_bytes: The part of ``saved_bytes`` offloading moves (above the threshold).
-        input_bytes: The layer's input, what a recomputed layer keeps until its backward.
-        recompute_ms: Forward time when recomputed in backward (``forward_ms`` if None).
-        workspace_bytes: Temporary memory at the peak of the layer's forward or backward,
-            beyond what it saves.
-        host: The host's time for the layer's work, if measured.
-    """
-
-    forward_ms: float
-    backward_ms: float
-    saved_bytes: int
-    offload_bytes: int
-    input_bytes: int
-    recompute_ms: float | None = None
-    workspace_bytes: int = 0
-    host: HostCost | None = None
-
-    @property
-    def rerun_ms(self) -> float:
-        """Time of the recomputation in backward."""
-        return self.forward_ms if self.recompute_ms is None else self.recompute_ms
-
-    @property
-    def recompute_alloc_bytes(self) -> int:
-        """Bytes a recomputation allocates: the saved tensors but the kept input."""
-        return max(self.saved_bytes - self.input_bytes, 0)
 
 
 @dataclass(frozen=True)
@@ -235,23 +123,30 @@ class Estimate:
     stall_ms: float
 
 
-def check_choices(choices: Sequence[object], num_layers: int) -> tuple[Choice, ...]:
-    """Validate one choice per layer; strings are accepted.
+def check_choices(
+    choices: Sequence[object], num_layers: int, layers: Sequence[LayerCost] | None = None
+) -> tuple[Choice | Parts, ...]:
+    """Validate one choice per layer; strings are accepted, and per part choices.
 
     The last layer cannot be offloaded (no later forward can hide its copy), and with it
     every layer followed only by offloaded layers: each offloaded layer needs a layer
-    after it that stays on the device, as in the default schedule's ``k <= n - 1``.
+    after it that stays on the device, as in the default schedule's ``k <= n - 1``. A
+    layer's choice may also be part by part (:class:`Parts`, or a mapping of part names
+    to choices, the parts left out kept), for a layer whose parts were profiled.
 
     Args:
-        choices: ``"keep"``, ``"offload"`` or ``"recompute"`` (or :class:`Choice`) per layer.
+        choices: ``"keep"``, ``"offload"`` or ``"recompute"`` (or :class:`Choice`), or
+            per part choices, per layer.
         num_layers: The model's layers.
+        layers: The layers' costs, to check per part choices against their parts.
 
     Returns:
-        The choices as :class:`Choice` values.
+        The choices as :class:`Choice` or :class:`Parts` values.
 
     Raises:
         TypeError: If ``choices`` is not a sequence.
-        ValueError: On a wrong length, an unknown choice, or an offloaded last layer.
+        ValueError: On a wrong length, an unknown choice or part, parts for a layer
+            without profiled parts, or an offloaded last layer.
 
     Example:
         >>> check_choices(["offload", "keep"], 2)
@@ -261,22 +156,55 @@ def check_choices(choices: Sequence[object], num_layers: int) -> tuple[Choice, .
         raise TypeError(f"choices must be a sequence of choices, got {type(choices).__name__}")
     if len(choices) != num_layers:
         raise ValueError(f"choices has {len(choices)} entries for {num_layers} layers")
-    out = []
+    out: list[Choice | Parts] = []
     for i, c in enumerate(choices):
-        try:
-            out.append(Choice(c))
-        except ValueError:
-            allowed = ", ".join(repr(x.value) for x in Choice)
-            raise ValueError(f"choices[{i}] must be one of {allowed}; got {c!r}") from None
-    if out and out[-1] is Choice.OFFLOAD:
+        if isinstance(c, (Parts, Mapping)):
+            out.append(_checked_parts(i, c, None if layers is None else layers[i]))
+            continue
+        out.append(_checked_choice(f"choices[{i}]", c))
+    if out and is_offloaded(out[-1]):
         raise ValueError(
-            f"choices[{num_layers - 1}]: the last layer cannot be offloaded (no later "
-            "forward hides its copy); keep or recompute it"
+            f"choices[{num_layers - 1}]: the last layer cannot be offloaded, whole or a "
+            "part of it (no later forward hides its copy); keep or recompute it"
         )
     return tuple(out)
 
 
-def offload_schedule(choices: Sequence[Choice]) -> SyncDict:
+def _checked_choice(name: str, choice: object) -> Choice:
+    try:
+        return Choice(choice)
+    except ValueError:
+        allowed = ", ".join(repr(x.value) for x in Choice)
+        raise ValueError(f"{name} must be one of {allowed}; got {choice!r}") from None
+
+
+def _checked_parts(i: int, given: Parts | Mapping, cost: LayerCost | None) -> Parts:
+    """A layer's per part choices, checked against its profiled parts (if known)."""
+    pairs = given.choices if isinstance(given, Parts) else tuple(given.items())
+    named = {str(name): _checked_choice(f"choices[{i}][{name!r}]", c) for name, c in pairs}
+    if cost is None:
+        if not isinstance(given, Parts):
+            raise ValueError(
+                f"choices[{i}]: per part choices as a mapping need the layers' costs to "
+                "order them (pass a Parts value, or check them with the profile)"
+            )
+        return Parts(tuple(named.items()))
+    names = [p.name for p in cost.parts]
+    if not names:
+        raise ValueError(
+            f"choices[{i}]: layer {i} has no profiled parts; profile the model with "
+            "parts to choose per part"
+        )
+    unknown = [n for n in named if n not in names]
+    if unknown or (isinstance(given, Parts) and list(named) != names):
+        raise ValueError(
+            f"choices[{i}]: the parts must be those profiled for layer {i} "
+            f"({', '.join(names)}), got {', '.join(map(repr, named))}"
+        )
+    return Parts(tuple((n, named.get(n, Choice.KEEP)) for n in names))
+
+
+def offload_schedule(choices: Sequence[Choice | Parts]) -> SyncDict:
     """The synchronization dict of the offloaded layers of ``choices``.
 
     The schedule :func:`cpu_offload.offload_layers` gives an explicit set of layers: the
@@ -296,7 +224,7 @@ def offload_schedule(choices: Sequence[Choice]) -> SyncDict:
         {0: (True, 2, False, 1)}
     """
     n = len(choices)
-    offloaded = frozenset(j for j, c in enumerate(choices) if c is Choice.OFFLOAD)
+    offloaded = frozenset(j for j, c in enumerate(choices) if is_offloaded(c))
     return validate_synchronization_dict(layer_stack_schedule(offloaded, n), n)
 
 
@@ -434,63 +362,45 @@ def estimate(profile: Profile, choices: Sequence[object]) -> Estimate:
     """
     layers = profile.layers
     n = len(layers)
-    plan = check_choices(choices, n)
+    plan = check_choices(choices, n, layers)
     schedule = Schedule(offload_schedule(plan))
     tl = _Timeline(profile)
+    # Any offloaded layer puts every layer under the offload context.
+    engaged = any(is_offloaded(c) for c in plan)
+    uses = [use_of(cost, choice, engaged) for cost, choice in zip(layers, plan, strict=True)]
     offload_job: dict[int, int] = {}
     reload_job: dict[int, int] = {}
 
     def run_point(point: Point) -> None:
         for i in schedule.finish_at.get(point, ()):
             tl.wait_for(offload_job[i])
-            tl.free(layers[i].offload_bytes)
+            tl.free(uses[i].moved)
         for i in schedule.reload_at.get(point, ()):
             tl.copies.run_until(tl.t)
-            tl.alloc(layers[i].offload_bytes)
-            reload_job[i] = tl.copies.queue("h2d", tl.t, layers[i].offload_bytes, 0.0)
+            tl.alloc(uses[i].moved)
+            reload_job[i] = tl.copies.queue("h2d", tl.t, uses[i].moved, 0.0)
 
-    # Any offloaded layer puts every layer under the offload context.
-    engaged = Choice.OFFLOAD in plan
-
-    def host_fwd(cost: LayerCost, choice: Choice) -> float:
-        return 0.0 if cost.host is None else cost.host.forward(choice, engaged)
-
-    def host_bwd(cost: LayerCost, choice: Choice) -> float:
-        return 0.0 if cost.host is None else cost.host.backward(choice, engaged)
-
-    for j, (cost, choice) in enumerate(zip(layers, plan, strict=True)):
+    for j, (cost, use) in enumerate(zip(layers, uses, strict=True)):
         run_point(Point(True, j))
-        if choice is Choice.RECOMPUTE:
-            # The layer's saved tensors live only during its forward.
-            tl.alloc(cost.input_bytes)
-            tl.compute(
-                cost.forward_ms,
-                cost.recompute_alloc_bytes + cost.workspace_bytes,
-                host_fwd(cost, choice),
-            )
-            continue
-        tl.alloc(cost.saved_bytes)
-        start, end = tl.compute(cost.forward_ms, cost.workspace_bytes, host_fwd(cost, choice))
-        if choice is Choice.OFFLOAD:
+        # A recomputed layer's (or part's) saved tensors live only during its forward.
+        tl.alloc(use.resident + use.moved)
+        start, end = tl.compute(
+            cost.forward_ms, use.forward_extra + cost.workspace_bytes, use.host_forward_ms
+        )
+        if use.offloaded:
             # Each tensor's copy may start once it is saved; the last ends after the layer.
             tl.copies.run_until(start)
-            offload_job[j] = tl.copies.queue("d2h", start, cost.offload_bytes, end)
+            offload_job[j] = tl.copies.queue("d2h", start, use.moved, end)
     # The head and the loss run on what the layers hold at the end of the forward.
     tl.alloc(profile.head_bytes)
     tl.compute(profile.head_ms, 0, profile.head_host_ms)
     tl.free(profile.head_bytes)
     for j in reversed(range(n)):
-        cost, choice = layers[j], plan[j]
+        cost, use = layers[j], uses[j]
         run_point(Point(False, j))
-        if choice is Choice.RECOMPUTE:
-            tl.alloc(cost.recompute_alloc_bytes)
-            tl.compute(
-                cost.rerun_ms + cost.backward_ms, cost.workspace_bytes, host_bwd(cost, choice)
-            )
-            tl.free(cost.recompute_alloc_bytes + cost.input_bytes)
-            continue
-        if choice is Choice.OFFLOAD:
+        if use.offloaded:
             tl.wait_for(reload_job[j])
-        tl.compute(cost.backward_ms, cost.workspace_bytes, host_bwd(cost, choice))
-        tl.free(cost.saved_bytes)
+        tl.alloc(use.rerun_bytes)
+        tl.compute(use.rerun_ms + cost.backward_ms, cost.workspace_bytes, use.host_backward_ms)
+        tl.free(use.resident + use.moved + use.rerun_bytes)
     return Estimate(tl.t + profile.other_ms, profile.static_bytes + tl.peak, tl.stall)

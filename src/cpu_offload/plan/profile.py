@@ -33,6 +33,7 @@ from torch import nn
 from .._layer_stack import find_layers
 from ..engine.selection import ActivationPolicy
 from ..v2.context import DEFAULT_MIN_TENSOR_SIZE
+from ._parts_probe import PartsSpec, check_parts_spec, with_parts
 from ._probe import (
     Clock,
     StepTimes,
@@ -119,6 +120,7 @@ def profile_model(
     recompute: bool = True,
     link: Link | None = None,
     host: bool | None = None,
+    parts: PartsSpec = False,
 ) -> Profile:
     """Measure the layers of a model in a few training steps, for the planner.
 
@@ -141,14 +143,20 @@ def profile_model(
             every layer), with runs of every layer recomputed and of half the layers
             offloaded; None: on CUDA only. On the CPU stand-in both clocks are the wall
             clock, and what offloading adds includes its copies.
+        parts: Also profile parts of each layer, so that a plan may keep, offload or
+            recompute them on their own (``LayerCost.parts``): True chooses them (the
+            layer's children that save anything, an attention block split into its
+            projections and its core where the core saves most of its bytes), a list of
+            submodule names names them for every layer, a dict per layer index.
 
     Returns:
         The profile.
 
     Raises:
-        ValueError: If ``steps < 1`` or ``warmup < 0``, or a step does not run every
-            layer once.
-        TypeError: If ``host`` is not a bool or None.
+        ValueError: If ``steps < 1`` or ``warmup < 0``, a step does not run every layer
+            once, or a part is not a submodule of its layer or lies inside another.
+        TypeError: If ``host`` is not a bool or None, or ``parts`` not one of the forms
+            above.
 
     Example:
         >>> layers = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(3)])
@@ -164,6 +172,7 @@ def profile_model(
     if host is not None and not isinstance(host, bool):
         raise TypeError(f"host must be a bool or None, got {type(host).__name__}")
     layers = find_layers(model_or_layers)
+    check_parts_spec(parts, layers)
     params = _with_grads(model_or_layers, layers)
     device = params[0].device if params else torch.device("cpu")
     cuda = device.type == "cuda"
@@ -202,7 +211,10 @@ def profile_model(
     )
     timing = _HostAndDevice if (cuda if host is None else host) else _Together
     measured = timing(layers, step, clock, steps, runs, plain_ms, min_tensor_size_to_offload)
-    return measured.profile(profile, costs, recompute)
+    profile = measured.profile(profile, costs, recompute)
+    if parts is not False:
+        profile = with_parts(profile, layers, step, clock, policy, parts, steps)
+    return profile
 
 
 class _Together:
@@ -449,17 +461,19 @@ def measure_choices(
         True
     """
     from ..layers import offload_layers
-    from .model import Choice, check_choices
+    from .costs import offload_layers_arguments
+    from .model import check_choices
 
     layers = find_layers(model_or_layers)
     plan = check_choices(choices, len(layers))
-    offloaded = [j for j, c in enumerate(plan) if c is Choice.OFFLOAD]
-    recomputed = [j for j, c in enumerate(plan) if c is Choice.RECOMPUTE]
+    offloaded, recomputed, parts = offload_layers_arguments(plan)
     params = _with_grads(model_or_layers, layers)
     cuda = any(p.is_cuda for p in params)
     clock = Clock(cuda)
     times = []
-    with offload_layers(layers, offloaded=offloaded, recomputed=recomputed, **context_kwargs):
+    with offload_layers(
+        layers, offloaded=offloaded, recomputed=recomputed, parts=parts, **context_kwargs
+    ):
         for i in range(warmup + steps):
             if i == warmup and cuda:
                 torch.cuda.synchronize()

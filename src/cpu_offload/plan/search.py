@@ -1,24 +1,41 @@
 """Choosing keep, offload or recompute per layer: the fastest modelled step within a budget.
 
-Small stacks are searched exhaustively (with a bound that skips plans whose compute alone
-is slower than the best found); larger ones start from structured plans (the first
-``m`` layers offloaded, the layers that free the most bytes per millisecond recomputed)
-and improve them by moving one layer at a time and by swapping two layers' choices
-until nothing improves. Every plan is scored by :func:`cpu_offload.plan.model.estimate`.
+Each layer's options are the three whole-layer choices and, where its parts were
+profiled, the part by part choices that no other option beats on every count
+(:func:`layer_options`). Small searches are exhaustive (with a bound that skips plans
+whose compute alone is slower than the best found); larger ones start from structured
+plans (the first ``m`` layers offloaded, the layers that free the most bytes per
+millisecond recomputed, one part by part option on the first layers) and improve them by
+changing one layer at a time and by swapping two alike layers' choices until nothing
+improves. Every plan is scored by :func:`cpu_offload.plan.model.estimate`.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from .model import Choice, Estimate, Profile, estimate
+from .costs import LayerCost, Parts, offload_layers_arguments
+from .model import Choice, Estimate, Link, Profile, estimate
+from .usage import Use, is_offloaded, use_of
 
-__all__ = ["NoPlanFits", "Plan", "best_single_methods", "brute_force", "search", "single_methods"]
+__all__ = [
+    "NoPlanFits",
+    "Plan",
+    "best_single_methods",
+    "brute_force",
+    "layer_options",
+    "part_methods",
+    "search",
+    "single_methods",
+]
 
 #: Stacks up to this many layers are searched exhaustively by default (3**8 plans).
 EXACT_MAX_LAYERS = 8
+#: Part by part options kept per layer (the best by bytes freed per millisecond added).
+MAX_PART_OPTIONS = 12
 
 
 class NoPlanFits(ValueError):
@@ -30,7 +47,8 @@ class Plan:
     """A choice per layer and what the model says of it.
 
     Attributes:
-        choices: Keep, offload or recompute, per layer in forward order.
+        choices: Keep, offload or recompute, per layer in forward order, or a choice per
+            part of the layer (:class:`cpu_offload.plan.model.Parts`).
         budget_bytes: The device-memory budget the plan was made for.
         step_ms: Modelled step time.
         peak_bytes: Modelled peak device memory.
@@ -38,7 +56,7 @@ class Plan:
             again for another budget without profiling), or None.
     """
 
-    choices: tuple[Choice, ...]
+    choices: tuple[Choice | Parts, ...]
     budget_bytes: int
     step_ms: float
     peak_bytes: int
@@ -46,28 +64,41 @@ class Plan:
 
     @property
     def offloaded(self) -> tuple[int, ...]:
-        """Indices of the offloaded layers."""
-        return tuple(i for i, c in enumerate(self.choices) if c is Choice.OFFLOAD)
+        """Indices of the layers offloaded whole."""
+        return offload_layers_arguments(self.choices)[0]
 
     @property
     def recomputed(self) -> tuple[int, ...]:
-        """Indices of the recomputed layers."""
-        return tuple(i for i, c in enumerate(self.choices) if c is Choice.RECOMPUTE)
+        """Indices of the layers recomputed whole."""
+        return offload_layers_arguments(self.choices)[1]
+
+    @property
+    def parts(self) -> dict[int, dict[str, str]]:
+        """Layer index -> {part name: choice} of the layers planned part by part, in the
+        form :func:`cpu_offload.offload_layers` takes (kept parts left out)."""
+        return offload_layers_arguments(self.choices)[2]
 
     def describe(self) -> str:
-        """One letter per layer: ``K`` keep, ``O`` offload, ``R`` recompute."""
-        return "".join(c.value[0].upper() for c in self.choices)
+        """One letter per layer: ``K`` keep, ``O`` offload, ``R`` recompute, ``P`` part
+        by part (see :meth:`cpu_offload.plan.model.Parts.describe`)."""
+        return "".join("P" if isinstance(c, Parts) else c.value[0].upper() for c in self.choices)
 
 
 _ORDER = {Choice.OFFLOAD: 0, Choice.KEEP: 1, Choice.RECOMPUTE: 2}
 
 
-def _key(choices: tuple[Choice, ...], est: Estimate) -> tuple:
+def _order(choice: Choice | Parts) -> tuple[int, str]:
+    if isinstance(choice, Parts):
+        return (3, choice.describe())
+    return (_ORDER[choice], "")
+
+
+def _key(choices: tuple[Choice | Parts, ...], est: Estimate) -> tuple:
     # Fastest first (to a nanosecond: equal steps summed in another order stay equal);
     # then the fewest layers changed, the lowest peak, and earlier offloads (more compute
     # after them to hide their copies), so that every search breaks ties the same way.
     changed = sum(c is not Choice.KEEP for c in choices)
-    return (round(est.step_ms, 6), changed, est.peak_bytes, tuple(_ORDER[c] for c in choices))
+    return (round(est.step_ms, 6), changed, est.peak_bytes, tuple(_order(c) for c in choices))
 
 
 def _check_budget(budget_bytes: object) -> int:
@@ -84,11 +115,11 @@ class _Scorer:
     def __init__(self, profile: Profile, budget: int) -> None:
         self.profile = profile
         self.budget = budget
-        self.cache: dict[tuple[Choice, ...], Estimate] = {}
-        self.best: tuple[tuple, tuple[Choice, ...], Estimate] | None = None
+        self.cache: dict[tuple[Choice | Parts, ...], Estimate] = {}
+        self.best: tuple[tuple, tuple[Choice | Parts, ...], Estimate] | None = None
         self.lowest_peak: int | None = None
 
-    def __call__(self, choices: tuple[Choice, ...]) -> Estimate:
+    def __call__(self, choices: tuple[Choice | Parts, ...]) -> Estimate:
         est = self.cache.get(choices)
         if est is None:
             est = estimate(self.profile, choices)
@@ -101,7 +132,7 @@ class _Scorer:
                     self.best = (key, choices, est)
         return est
 
-    def rank(self, choices: tuple[Choice, ...]) -> tuple:
+    def rank(self, choices: tuple[Choice | Parts, ...]) -> tuple:
         """Order for the local search: fitting plans by key, others by their excess."""
         est = self(choices)
         excess = max(est.peak_bytes - self.budget, 0)
@@ -120,12 +151,87 @@ class _Scorer:
         return Plan(choices, self.budget, est.step_ms, est.peak_bytes, self.profile)
 
 
-def _valid(choices: tuple[Choice, ...]) -> bool:
-    return not choices or choices[-1] is not Choice.OFFLOAD
+def _valid(choices: tuple[Choice | Parts, ...]) -> bool:
+    return not choices or not is_offloaded(choices[-1])
+
+
+_WHOLE = (Choice.KEEP, Choice.OFFLOAD, Choice.RECOMPUTE)
+
+
+def all_part_choices(cost: LayerCost) -> list[Parts]:
+    """Every part by part choice of a layer, all parts kept left out (that is keeping it)."""
+    names = [p.name for p in cost.parts]
+    out = []
+    for combo in itertools.product(_WHOLE, repeat=len(names)):
+        if any(c is not Choice.KEEP for c in combo):
+            out.append(Parts(tuple(zip(names, combo, strict=True))))
+    return out
+
+
+def _figures(use: Use) -> tuple[float, ...]:
+    # What a plan's step and peak grow with, each: an option no worse on all of them
+    # than another is never the worse choice for a layer.
+    return (
+        use.resident,
+        use.resident + use.moved,
+        use.moved,
+        use.forward_extra,
+        use.rerun_bytes,
+        use.rerun_ms,
+        use.host_forward_ms,
+        use.host_backward_ms,
+    )
+
+
+def layer_options(
+    cost: LayerCost, link: Link | None = None, limit: int = MAX_PART_OPTIONS
+) -> list[Choice | Parts]:
+    """A layer's options for the search: keep, offload, recompute, and the part by part
+    choices (where its parts were profiled) that no other option beats on every count.
+
+    Of those, the ``limit`` that free the most bytes per millisecond they add (of
+    recomputation, and of copies over ``link`` where given) are kept.
+
+    Args:
+        cost: The layer's profile.
+        link: The host link, to count copies as time.
+        limit: Most part by part options.
+
+    Returns:
+        The options, the three whole-layer choices first.
+    """
+    if not cost.parts:
+        return list(_WHOLE)
+    whole = [_figures(use_of(cost, c, True)) for c in _WHOLE]
+    candidates = [(p, _figures(use_of(cost, p, True))) for p in all_part_choices(cost)]
+    figures = whole + [f for _, f in candidates]
+
+    def beaten(f: tuple[float, ...]) -> bool:
+        return any(g != f and all(a <= b for a, b in zip(g, f, strict=True)) for g in figures)
+
+    kept = [(p, f) for p, f in candidates if not beaten(f) and f not in whole]
+    unique = {f: p for p, f in reversed(kept)}  # one option per set of figures
+    saved = cost.saved_bytes
+    rate = link.d2h_gbps * 1e6 if link is not None else None  # bytes per ms
+
+    def value(item: tuple[tuple[float, ...], Parts]) -> tuple[float, float, str]:
+        f, p = item
+        freed = saved - f[0]
+        added_ms = f[5] + (f[2] / rate if rate else 0.0)
+        return (-freed / max(added_ms, 1e-6), f[2], p.describe())
+
+    best = sorted(unique.items(), key=value)[:limit]
+    return [*_WHOLE, *(p for _, p in best)]
+
+
+def _options(profile: Profile, parts: bool) -> list[list[Choice | Parts]]:
+    return [layer_options(c, profile.link) if parts else list(_WHOLE) for c in profile.layers]
 
 
 def brute_force(profile: Profile, budget_bytes: int) -> Plan:
-    """The best plan over all ``3**n`` per-layer choices (the reference of the search).
+    """The best plan over every choice of every layer (the reference of the search):
+    the three whole-layer choices and, where a layer's parts were profiled, every part
+    by part choice.
 
     Args:
         profile: Layer costs and the link.
@@ -133,7 +239,8 @@ def brute_force(profile: Profile, budget_bytes: int) -> Plan:
 
     Returns:
         The fastest fitting plan (ties: the fewest layers not kept, then the lowest
-        peak, then offload before keep before recompute, layer by layer).
+        peak, then offload before keep before recompute before part by part, layer by
+        layer).
 
     Raises:
         NoPlanFits: If no plan fits.
@@ -146,34 +253,60 @@ def brute_force(profile: Profile, budget_bytes: int) -> Plan:
         'OK'
     """
     scorer = _Scorer(profile, _check_budget(budget_bytes))
-    for combo in itertools.product(list(Choice), repeat=profile.num_layers):
+    menus: list[list[Choice | Parts]] = [[*_WHOLE, *all_part_choices(c)] for c in profile.layers]
+    for combo in itertools.product(*menus):
         if _valid(combo):
             scorer(combo)
     return scorer.result()
 
 
-def _exhaustive(scorer: _Scorer) -> None:
+def _exhaustive(scorer: _Scorer, options: list[list[Choice | Parts]]) -> None:
     """Every valid plan, skipping branches whose compute alone is slower than the best."""
     layers = scorer.profile.layers
     n = len(layers)
     base = sum(c.forward_ms + c.backward_ms for c in layers) + scorer.profile.other_ms
+    reruns = [
+        [use_of(cost, c, True).rerun_ms for c in menu]
+        for cost, menu in zip(layers, options, strict=True)
+    ]
 
-    def walk(prefix: tuple[Choice, ...], compute_ms: float) -> None:
+    def walk(prefix: tuple[Choice | Parts, ...], compute_ms: float) -> None:
         if scorer.best is not None and compute_ms > scorer.best[0][0] + 1e-6:
             return  # recomputation alone already makes it slower than the best
         if len(prefix) == n:
             if _valid(prefix):
                 scorer(prefix)
             return
-        cost = layers[len(prefix)]
-        for choice in Choice:
-            extra = cost.rerun_ms if choice is Choice.RECOMPUTE else 0.0
+        j = len(prefix)
+        for choice, extra in zip(options[j], reruns[j], strict=True):
             walk((*prefix, choice), compute_ms + extra)
 
     walk((), base)
 
 
-def _seeds(profile: Profile) -> Iterable[tuple[Choice, ...]]:
+def _part_seeds(
+    options: list[list[Choice | Parts]],
+) -> Iterable[tuple[Choice | Parts, ...]]:
+    """One part by part option on the first ``r`` layers (or all but the last) that have
+    it, the first ``m`` of the others offloaded whole."""
+    n = len(options)
+    shared = [o for o in options[0] if isinstance(o, Parts)]
+    for option in shared:
+        having = [j for j in range(n) if option in options[j]]
+        for r in range(1, len(having) + 1):
+            chosen = set(having[:r])
+            free = [j for j in range(n) if j not in chosen]
+            for m in range(len(free) + 1):
+                off = set(free[:m])
+                plan = tuple(
+                    option if j in chosen else Choice.OFFLOAD if j in off else Choice.KEEP
+                    for j in range(n)
+                )
+                if _valid(plan):
+                    yield plan
+
+
+def _seeds(profile: Profile) -> Iterable[tuple[Choice | Parts, ...]]:
     """Structured plans: offload the first ``m`` free layers, recompute the ``r`` best."""
     layers = profile.layers
     n = len(layers)
@@ -199,26 +332,31 @@ def _seeds(profile: Profile) -> Iterable[tuple[Choice, ...]]:
                     yield plan
 
 
-def _neighbours(choices: tuple[Choice, ...]) -> Iterable[tuple[Choice, ...]]:
+def _neighbours(
+    choices: tuple[Choice | Parts, ...], options: list[list[Choice | Parts]]
+) -> Iterable[tuple[Choice | Parts, ...]]:
     n = len(choices)
     for j in range(n):
-        for c in Choice:
-            if c is not choices[j]:
+        for c in options[j]:
+            if c != choices[j]:
                 yield (*choices[:j], c, *choices[j + 1 :])
     for i in range(n):
         for j in range(i + 1, n):
-            if choices[i] is not choices[j]:
+            a, b = choices[i], choices[j]
+            if a != b and a in options[j] and b in options[i]:
                 swapped = list(choices)
-                swapped[i], swapped[j] = swapped[j], swapped[i]
+                swapped[i], swapped[j] = b, a
                 yield tuple(swapped)
 
 
-def _local_search(scorer: _Scorer, start: tuple[Choice, ...]) -> None:
+def _local_search(
+    scorer: _Scorer, start: tuple[Choice | Parts, ...], options: list[list[Choice | Parts]]
+) -> None:
     current = start
     current_rank = scorer.rank(current)
     while True:
         best_rank, best = current_rank, current
-        for plan in _neighbours(current):
+        for plan in _neighbours(current, options):
             if _valid(plan):
                 rank = scorer.rank(plan)
                 if rank < best_rank:
@@ -229,18 +367,25 @@ def _local_search(scorer: _Scorer, start: tuple[Choice, ...]) -> None:
 
 
 def search(
-    profile: Profile, budget_bytes: int, *, exact_max_layers: int = EXACT_MAX_LAYERS
+    profile: Profile,
+    budget_bytes: int,
+    *,
+    exact_max_layers: int = EXACT_MAX_LAYERS,
+    parts: bool = True,
 ) -> Plan:
     """The fastest modelled plan whose modelled peak stays within ``budget_bytes``.
 
-    Keeping every layer is returned as soon as it fits. Stacks of up to
-    ``exact_max_layers`` layers are searched exhaustively (the result equals
-    :func:`brute_force`); larger ones by structured starting plans and local search.
+    Keeping every layer is returned as soon as it fits. Searches of at most as many
+    plans as ``3 ** exact_max_layers`` are exhaustive over each layer's options
+    (:func:`layer_options`; with three options per layer the result equals
+    :func:`brute_force`); larger ones use structured starting plans and local search.
 
     Args:
         profile: Layer costs and the link.
         budget_bytes: Largest modelled peak device memory allowed, in bytes.
-        exact_max_layers: Largest stack searched exhaustively.
+        exact_max_layers: Largest stack of three options per layer searched
+            exhaustively.
+        parts: Choose part by part where the profile has a layer's parts.
 
     Returns:
         The plan.
@@ -263,22 +408,26 @@ def search(
     n = profile.num_layers
     if n == 0:
         raise ValueError("the profile has no layers")
+    if not isinstance(parts, bool):
+        raise TypeError(f"parts must be a bool, got {type(parts).__name__}")
     keep = (Choice.KEEP,) * n
     if scorer(keep).peak_bytes <= scorer.budget:
         return scorer.result()
-    if n <= exact_max_layers:
-        _exhaustive(scorer)
+    options = _options(profile, parts)
+    if math.prod(len(o) for o in options) <= 3**exact_max_layers:
+        _exhaustive(scorer, options)
         return scorer.result()
     seeds = sorted(set(_seeds(profile)), key=scorer.rank)
-    for seed in seeds[:8]:
-        _local_search(scorer, seed)
+    part_seeds = sorted(set(_part_seeds(options)), key=scorer.rank)
+    for seed in [*seeds[:8], *part_seeds[:8]]:
+        _local_search(scorer, seed, options)
     if scorer.best is not None:
         # Polish the best fitting plan too (it may not descend from the top seeds).
-        _local_search(scorer, scorer.best[1])
+        _local_search(scorer, scorer.best[1], options)
     return scorer.result()
 
 
-def single_methods(num_layers: int) -> dict[str, tuple[Choice, ...]]:
+def single_methods(num_layers: int) -> dict[str, tuple[Choice | Parts, ...]]:
     """The one-method plans: offload the first k, recompute the first k, recompute all.
 
     Args:
@@ -292,7 +441,7 @@ def single_methods(num_layers: int) -> dict[str, tuple[Choice, ...]]:
         ['offload k=1', 'recompute all', 'recompute k=1']
     """
     n = num_layers
-    out: dict[str, tuple[Choice, ...]] = {}
+    out: dict[str, tuple[Choice | Parts, ...]] = {}
     for k in range(1, n):
         out[f"offload k={k}"] = (Choice.OFFLOAD,) * k + (Choice.KEEP,) * (n - k)
         out[f"recompute k={k}"] = (Choice.RECOMPUTE,) * k + (Choice.KEEP,) * (n - k)
@@ -300,8 +449,39 @@ def single_methods(num_layers: int) -> dict[str, tuple[Choice, ...]]:
     return out
 
 
+def part_methods(profile: Profile) -> dict[str, tuple[Choice | Parts, ...]]:
+    """One part recomputed, or offloaded, in every layer that has it (Megatron-LM's
+    ``recompute_modules`` and ``--offload-modules`` by hand): for each part name every
+    layer's profile shares.
+
+    Args:
+        profile: A profile with parts.
+
+    Returns:
+        Name (``"recompute self_attention.core_attention in every layer"``) -> choices;
+        empty without parts. The last layer never offloads (it is kept).
+    """
+    layers = profile.layers
+    if not layers or not all(c.parts for c in layers):
+        return {}
+    shared = [
+        p.name for p in layers[0].parts if all(p.name in {q.name for q in c.parts} for c in layers)
+    ]
+    out: dict[str, tuple[Choice | Parts, ...]] = {}
+    for name in shared:
+        for choice in (Choice.RECOMPUTE, Choice.OFFLOAD):
+            plan: list[Choice | Parts] = [
+                Parts(tuple((p.name, choice if p.name == name else Choice.KEEP) for p in c.parts))
+                for c in layers
+            ]
+            if choice is Choice.OFFLOAD:
+                plan[-1] = Choice.KEEP
+            out[f"{choice.value} {name} in every layer"] = tuple(plan)
+    return out
+
+
 def best_single_methods(
-    profile: Profile, peak_bytes: int, candidates: dict[str, Sequence[Choice]] | None = None
+    profile: Profile, peak_bytes: int, candidates: Mapping[str, Sequence[Choice | Parts]] | None = None
 ) -> tuple[str, Estimate] | None:
     """The fastest one-method plan whose modelled peak is at most ``peak_bytes``.
 
@@ -320,7 +500,7 @@ def best_single_methods(
         >>> best_single_methods(profile, 250)[0]
         'offload k=2'
     """
-    methods: dict[str, Sequence[Choice]] = dict(
+    methods: dict[str, Sequence[Choice | Parts]] = dict(
         candidates if candidates is not None else single_methods(profile.num_layers)
     )
     best: tuple[str, Estimate] | None = None

@@ -1,0 +1,149 @@
+"""What one layer's choice asks of a training step: the figures the model replays.
+
+Every choice, whole-layer (:class:`Choice`) or part by part (:class:`Parts`), comes down
+to the same few numbers (:class:`Use`): the bytes the layer keeps on the device from its
+forward to its backward, the bytes it offloads, and what recomputing adds to its
+backward. A :class:`Parts` choice is worked out on the layer's distinct storages, so that
+a storage two parts save (a norm's output that three projections take) is kept if any
+part keeps it, and a recomputed part's inputs stay on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .costs import Choice, LayerCost, Parts
+
+__all__ = ["Use", "is_offloaded", "layer_bytes", "use_of"]
+
+
+@dataclass(frozen=True)
+class Use:
+    """What one layer's choice asks of a step.
+
+    Attributes:
+        resident: Bytes kept on the device from the layer's forward to its backward.
+        moved: Bytes offloaded: gone between the schedule's offload and reload points.
+        forward_extra: Bytes its forward holds for a while on top of its temporaries (a
+            recomputed layer's or part's activations, dropped at its end).
+        rerun_ms: The device's time its backward adds (recomputation).
+        rerun_bytes: Bytes the recomputation allocates again in backward, until the
+            layer's backward ends.
+        host_forward_ms: The host's time for its forward.
+        host_backward_ms: The host's time for its backward.
+        offloaded: Whether it counts as offloaded for the schedule.
+    """
+
+    resident: int
+    moved: int
+    forward_extra: int = 0
+    rerun_ms: float = 0.0
+    rerun_bytes: int = 0
+    host_forward_ms: float = 0.0
+    host_backward_ms: float = 0.0
+    offloaded: bool = False
+
+
+def is_offloaded(choice: Choice | Parts) -> bool:
+    """Whether ``choice`` makes its layer an offloaded layer of the schedule."""
+    if isinstance(choice, Parts):
+        return choice.offloads
+    return choice is Choice.OFFLOAD
+
+
+def use_of(cost: LayerCost, choice: Choice | Parts, engaged: bool) -> Use:
+    """The figures of ``choice`` on the layer ``cost``.
+
+    Args:
+        cost: The layer's profile.
+        choice: A validated choice (:func:`cpu_offload.plan.model.check_choices`).
+        engaged: Whether the plan offloads any layer (every layer then runs under the
+            offload context, which costs the host its share).
+    """
+    if isinstance(choice, Parts):
+        return _use_of_parts(cost, choice, engaged)
+    host = cost.host
+    host_f = 0.0 if host is None else host.forward(choice, engaged)
+    host_b = 0.0 if host is None else host.backward(choice, engaged)
+    if choice is Choice.OFFLOAD:
+        return Use(
+            cost.saved_bytes - cost.offload_bytes,
+            cost.offload_bytes,
+            host_forward_ms=host_f,
+            host_backward_ms=host_b,
+            offloaded=True,
+        )
+    if choice is Choice.RECOMPUTE:
+        alloc = cost.recompute_alloc_bytes
+        return Use(cost.input_bytes, 0, alloc, cost.rerun_ms, alloc, host_f, host_b)
+    return Use(cost.saved_bytes, 0, host_forward_ms=host_f, host_backward_ms=host_b)
+
+
+def _use_of_parts(cost: LayerCost, parts: Parts, engaged: bool) -> Use:
+    storages = cost.storages
+    kept = {i for i, s in enumerate(storages) if s.outside}
+    offload: set[int] = set()
+    recomputed: set[int] = set()
+    rerun_ms = rerun_host_ms = 0.0
+    for part, (_, choice) in zip(cost.parts, parts.choices, strict=True):
+        if choice is Choice.OFFLOAD:
+            offload.update(part.saved)
+        elif choice is Choice.RECOMPUTE:
+            recomputed.update(part.saved)
+            kept.update(part.inputs)  # the checkpoint keeps the part's inputs
+            rerun_ms += part.forward_ms
+            rerun_host_ms += part.host_ms
+        else:
+            kept.update(part.saved)
+    # A storage kept by anyone stays; one the engine cannot move stays too.
+    movable = {i for i in offload - kept if storages[i].offload_bytes > 0}
+    kept |= offload - movable
+    gone = recomputed - kept - movable
+    moved = sum(storages[i].offload_bytes for i in movable)
+    resident = sum(storages[i].nbytes for i in kept) + sum(storages[i].nbytes for i in movable)
+    resident -= moved
+    rerun_bytes = sum(storages[i].nbytes for i in gone)
+    host_f = host_b = 0.0
+    host = cost.host
+    if host is not None:
+        # The engine's host time scales with the share of the layer's bytes it moves,
+        # a recomputation's with the share of the layer's forward it runs again.
+        moved_share = moved / cost.offload_bytes if cost.offload_bytes else 0.0
+        rerun_share = min(rerun_host_ms / host.forward_ms, 1.0) if host.forward_ms > 0 else 0.0
+        engaged_f = host.engaged_forward_ms if engaged or parts.offloads else 0.0
+        engaged_b = host.engaged_backward_ms if engaged or parts.offloads else 0.0
+        host_f = (
+            host.forward_ms
+            + engaged_f
+            + moved_share * max(host.offload_forward_ms - host.engaged_forward_ms, 0.0)
+            + (host.recompute_forward_ms if recomputed else 0.0)
+        )
+        host_b = (
+            host.backward_ms
+            + engaged_b
+            + moved_share * max(host.offload_backward_ms - host.engaged_backward_ms, 0.0)
+            + rerun_share * host.recompute_backward_ms
+        )
+    return Use(
+        resident,
+        moved,
+        forward_extra=rerun_bytes,
+        rerun_ms=rerun_ms,
+        rerun_bytes=rerun_bytes,
+        host_forward_ms=host_f,
+        host_backward_ms=host_b,
+        offloaded=parts.offloads,
+    )
+
+
+def layer_bytes(cost: LayerCost, choice: Choice | Parts) -> tuple[int, int, int]:
+    """``(kept, offloaded, recomputed)`` bytes of one layer under ``choice``: what stays on
+    the device until its backward, what is moved to the host, and what is recomputed.
+
+    Example:
+        >>> layer = LayerCost(1.0, 2.0, saved_bytes=100, offload_bytes=80, input_bytes=10)
+        >>> layer_bytes(layer, Choice.OFFLOAD), layer_bytes(layer, Choice.RECOMPUTE)
+        ((20, 80, 0), (10, 0, 90))
+    """
+    use = use_of(cost, choice, False)
+    return use.resident, use.moved, use.rerun_bytes

@@ -1,0 +1,186 @@
+"""Part by part plans on synthetic profiles: what a choice keeps, moves and recomputes, the
+model, and the search against brute force."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from cpu_offload.plan.model import (
+    Choice,
+    LayerCost,
+    Link,
+    PartCost,
+    Parts,
+    Profile,
+    Storage,
+    check_choices,
+    estimate,
+)
+from cpu_offload.plan.search import Plan, brute_force, layer_options, search
+from cpu_offload.plan.usage import use_of
+
+K, OFF, R = Choice.KEEP, Choice.OFFLOAD, Choice.RECOMPUTE
+
+# A layer of 215 saved bytes: its input x (10), the attention core's scores (100, taken
+# from q = a view of the projection's output, 20), the MLP's hidden activation (80), and
+# 5 bytes below the engine's threshold that the layer saves outside its parts.
+STORAGES = (
+    Storage(10, 10),  # 0: x, saved by the projection
+    Storage(20, 20),  # 1: the projection's output, saved by the core
+    Storage(100, 100),  # 2: the core's scores
+    Storage(80, 80),  # 3: the MLP's hidden activation
+    Storage(5, 0, outside=True),  # 4: saved outside any part, not movable
+)
+PARTS = (
+    PartCost("proj", 1.0, 0.5, saved=(0,), inputs=(0,)),
+    PartCost("core", 0.5, 0.25, saved=(1, 2), inputs=(1,)),
+    PartCost("mlp", 2.0, 0.5, saved=(3,), inputs=(4,)),
+)
+LAYER = LayerCost(
+    forward_ms=3.5,
+    backward_ms=7.0,
+    saved_bytes=215,
+    offload_bytes=210,
+    input_bytes=10,
+    storages=STORAGES,
+    parts=PARTS,
+)
+
+
+def _parts(proj: Choice = K, core: Choice = K, mlp: Choice = K) -> Parts:
+    return Parts((("proj", proj), ("core", core), ("mlp", mlp)))
+
+
+def test_what_a_part_by_part_choice_keeps_moves_and_recomputes() -> None:
+    keep = use_of(LAYER, _parts(), False)
+    assert (keep.resident, keep.moved, keep.rerun_bytes, keep.offloaded) == (215, 0, 0, False)
+    # Recomputing the core keeps its input (the projection's output) and frees its scores.
+    core = use_of(LAYER, _parts(core=R), False)
+    assert (core.resident, core.moved, core.rerun_bytes, core.rerun_ms) == (115, 0, 100, 0.5)
+    assert core.forward_extra == 100 and not core.offloaded
+    # Offloading the core moves both of its storages; the layer counts as offloaded.
+    moved = use_of(LAYER, _parts(core=OFF), False)
+    assert (moved.resident, moved.moved, moved.offloaded) == (95, 120, True)
+    # The core recomputed and the MLP offloaded: the core's input stays, its scores go.
+    mixed = use_of(LAYER, _parts(core=R, mlp=OFF), False)
+    assert (mixed.resident, mixed.moved, mixed.rerun_bytes) == (35, 80, 100)
+    # The projection offloaded but the core recomputed: the projection's input is not the
+    # core's; the core's input (storage 1) is kept although the core saves it.
+    both = use_of(LAYER, _parts(proj=OFF, core=R), False)
+    assert (both.resident, both.moved, both.rerun_bytes) == (105, 10, 100)
+
+
+def test_a_storage_kept_by_one_part_is_not_moved_by_another() -> None:
+    # The MLP's input (storage 4, the layer's unmovable rest) and a storage two parts save.
+    storages = (Storage(40, 40), Storage(8, 8))
+    parts = (
+        PartCost("a", 1.0, 0.0, saved=(0,), inputs=()),
+        PartCost("b", 1.0, 0.0, saved=(0, 1), inputs=()),
+    )
+    layer = LayerCost(2.0, 4.0, 48, 48, 0, storages=storages, parts=parts)
+    use = use_of(layer, Parts((("a", K), ("b", OFF))), False)
+    assert (use.resident, use.moved) == (40, 8)
+    use = use_of(layer, Parts((("a", R), ("b", OFF))), False)
+    assert (use.resident, use.moved, use.rerun_bytes) == (0, 48, 0)
+
+
+def test_all_parts_kept_is_keeping_the_layer() -> None:
+    profile = Profile((LAYER,) * 3, Link(1e-4, 1e-4), static_bytes=1000)
+    keep = estimate(profile, [K, K, K])
+    assert estimate(profile, [_parts(), _parts(), K]) == keep
+    # A part offloaded makes the layer offloaded for the schedule: memory drops.
+    offloaded = estimate(profile, [_parts(core=OFF), K, K])
+    assert offloaded.peak_bytes < keep.peak_bytes
+
+
+def test_part_choices_are_checked_against_the_profiled_parts() -> None:
+    layers = (LAYER, LAYER)
+    plan = check_choices([{"core": "recompute"}, "keep"], 2, layers)
+    assert plan == (_parts(core=R), K)
+    with pytest.raises(ValueError, match=r"the parts must be those profiled for layer 0 \(proj"):
+        check_choices([{"attn": "offload"}, "keep"], 2, layers)
+    with pytest.raises(ValueError, match=r"choices\[0\]\['core'\] must be one of"):
+        check_choices([{"core": "drop"}, "keep"], 2, layers)
+    with pytest.raises(ValueError, match="last layer cannot be offloaded, whole or a part"):
+        check_choices(["keep", {"mlp": "offload"}], 2, layers)
+    plain = LayerCost(1.0, 2.0, 100, 100, 10)
+    with pytest.raises(ValueError, match="layer 1 has no profiled parts"):
+        check_choices(["keep", {"mlp": "recompute"}], 2, (LAYER, plain))
+
+
+def test_a_plan_names_its_parts_for_offload_layers() -> None:
+    plan = Plan((_parts(core=R, mlp=OFF), OFF, R, K), 1, 0.0, 0)
+    assert plan.describe() == "PORK"
+    assert plan.parts == {0: {"core": "recompute", "mlp": "offload"}}
+    assert plan.offloaded == (1,) and plan.recomputed == (2,)
+    assert _parts(core=R, mlp=OFF).describe() == "core:R,mlp:O"
+
+
+def test_layer_options_leave_out_what_another_option_beats() -> None:
+    options = layer_options(LAYER, Link(1e-4, 1e-4))
+    assert options[:3] == [K, OFF, R]
+    parts = [o for o in options if isinstance(o, Parts)]
+    # Recomputing the projection keeps its input, the only storage it saves: 1 ms more
+    # to free nothing, beaten by keeping it.
+    assert _parts(proj=R) not in parts
+    assert _parts(core=R) in parts and _parts(core=R, mlp=OFF) in parts
+    assert len(layer_options(LAYER, limit=2)) == 5
+
+
+def _random_layer(rng: random.Random) -> LayerCost:
+    storages = tuple(
+        Storage(n, rng.choice([n, n, 0])) for n in (rng.randint(10, 400) for _ in range(4))
+    )
+    parts = (
+        PartCost("a", rng.uniform(0.1, 2), rng.uniform(0, 1), saved=(1, 2), inputs=(0,)),
+        PartCost("b", rng.uniform(0.1, 2), rng.uniform(0, 1), saved=(3,), inputs=(2,)),
+    )
+    saved = sum(s.nbytes for s in storages)
+    return LayerCost(
+        forward_ms=rng.uniform(1, 3),
+        backward_ms=rng.uniform(2, 6),
+        saved_bytes=saved,
+        offload_bytes=sum(s.offload_bytes for s in storages),
+        input_bytes=storages[0].nbytes,
+        workspace_bytes=rng.randint(0, 100),
+        storages=storages,
+        parts=parts,
+    )
+
+
+def _random_profile(rng: random.Random, n: int) -> Profile:
+    link = Link(rng.uniform(0.0002, 0.002), rng.uniform(0.0002, 0.002))
+    return Profile(tuple(_random_layer(rng) for _ in range(n)), link, static_bytes=100)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_search_with_parts_matches_brute_force(seed: int) -> None:
+    rng = random.Random(seed)
+    n = 3 if seed % 2 else 4  # 4 layers of 11 options: past the exhaustive search
+    profile = _random_profile(rng, n)
+    keep_peak = estimate(profile, [K] * n).peak_bytes
+    found_parts = False
+    for fraction in (0.8, 0.6, 0.45):
+        budget = int(keep_peak * fraction)
+        try:
+            expected = brute_force(profile, budget)
+        except Exception:
+            with pytest.raises(Exception, match="no plan fits"):
+                search(profile, budget)
+            continue
+        plan = search(profile, budget)
+        assert plan.peak_bytes <= budget
+        assert estimate(profile, plan.choices).peak_bytes == plan.peak_bytes
+        assert plan.step_ms <= expected.step_ms * 1.01
+        found_parts |= any(isinstance(c, Parts) for c in plan.choices)
+        # Without parts the search is the whole-layer one, never faster than with them.
+        try:
+            whole = search(profile, budget, parts=False)
+        except Exception:
+            continue
+        assert all(not isinstance(c, Parts) for c in whole.choices)
+        assert plan.step_ms <= whole.step_ms + 1e-9
+    if seed == 0:
+        assert found_parts, "the brute-force case should choose some part by part plan"
