@@ -15,11 +15,17 @@ deterministic kernels.
 
     python benchmarks/plan.py --json plan.json --markdown plan.md
     python benchmarks/plan.py --quick        # smaller models, about a minute
+    python benchmarks/plan.py --parts        # plans per part of a layer too
+
+With ``--parts`` the profile has each layer's parts, the plan may choose per part, and
+beside it run the plan of whole layers for the same budget and the one-part methods (one
+part recomputed or offloaded in every layer, as Megatron-LM's ``recompute_modules``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -38,6 +44,7 @@ from _report import bit_identical, exact, run_isolated, timed_as_users_train, wr
 from activation_offload import WORKLOADS  # noqa: E402
 
 from cpu_offload._layer_stack import find_layers  # noqa: E402
+from cpu_offload.cli.plan import parse_budget  # noqa: E402
 from cpu_offload.models import ModelSpec, build_layers, run_layers  # noqa: E402
 from cpu_offload.plan import (  # noqa: E402
     Choice,
@@ -45,6 +52,7 @@ from cpu_offload.plan import (  # noqa: E402
     PlanOverBudget,
     apply_plan,
     estimate,
+    part_methods,
     profile_model,
     search,
     single_methods,
@@ -191,11 +199,17 @@ def _exact(model: nn.Module, step: Callable[[], torch.Tensor], plans: list) -> l
 
 
 def _run(  # type: ignore[no-untyped-def]
-    name: str, quick: bool, fractions: list[float], rounds: int, steps: int, warmup: int
+    name: str,
+    quick: bool,
+    fractions: list[float],
+    rounds: int,
+    steps: int,
+    warmup: int,
+    parts: bool = False,
 ) -> dict:
     model, step = _build(name, quick)
     with timed_as_users_train():
-        result = _timed(model, step, name, fractions, rounds, steps, warmup)
+        result = _timed(model, step, name, fractions, rounds, steps, warmup, parts)
     plans = result.pop("plans")
     for row, same in zip(
         (r for r in result["rows"] if "plan" in r), _exact(model, step, plans), strict=True
@@ -212,26 +226,33 @@ def _timed(  # type: ignore[no-untyped-def]
     rounds: int,
     steps: int,
     warmup: int,
+    parts: bool = False,
 ) -> dict:
     n = len(find_layers(model))
     keep_choices = [Choice.KEEP] * n
     _, none_peak = measure_choices(model, step, keep_choices, steps=steps, warmup=warmup)
     assert none_peak is not None
-    profile = profile_model(model, step, steps=steps, warmup=warmup)
+    profile = profile_model(model, step, steps=steps, warmup=warmup, parts=parts)
+    methods = {**single_methods(n), **(part_methods(profile) if parts else {})}
 
-    # The plans for the budgets, each applied once with its budget check.
+    # The plans for the budgets, each applied once with its budget check; with parts,
+    # the plan of whole layers for the same budget runs beside them as a method.
     checked = []
     for fraction in fractions:
-        budget = int(fraction * none_peak)
+        budget = int(fraction * none_peak) if fraction <= 1 else int(fraction)
         try:
             plan = search(profile, budget)
         except NoPlanFits as err:
             checked.append((fraction, budget, None, str(err)))
             continue
         checked.append((fraction, budget, plan, _check_plan(model, step, plan)))
+        if parts:
+            with contextlib.suppress(NoPlanFits):
+                whole = search(profile, budget, parts=False).choices
+                methods[f"whole-layer plan {whole_letters(whole)}"] = whole
 
-    # No plan, every single method and every plan, timed in alternating rounds.
-    configs: dict[str, list] = {"none": keep_choices, **single_methods(n)}
+    # No plan, every method and every plan, timed in alternating rounds.
+    configs: dict[str, list] = {"none": keep_choices, **methods}
     for fraction, _, plan, got in checked:
         if plan is not None:
             configs[f"plan {fraction}"] = list(got["final"].choices)
@@ -239,7 +260,7 @@ def _timed(  # type: ignore[no-untyped-def]
 
     keep = estimate(profile, keep_choices)
     singles = {}
-    for label, choices in single_methods(n).items():
+    for label, choices in methods.items():
         est = estimate(profile, choices)
         singles[label] = {"modelled": [est.step_ms, est.peak_bytes], **timed[label]}
     rows, plans = [], []
@@ -258,6 +279,7 @@ def _timed(  # type: ignore[no-untyped-def]
                 "budget_bytes": budget,
                 "plan": plan.describe(),
                 "final_plan": final.describe(),
+                "parts": {str(j): p for j, p in final.parts.items()},
                 "tightened": got["tightened"],
                 "check_error": got["check_error"],
                 # The model of the plan that ran (the tightened one, if the check made one).
@@ -285,6 +307,23 @@ def _timed(  # type: ignore[no-untyped-def]
         "singles": singles,
         "plans": plans,
     }
+
+
+def whole_letters(choices: tuple) -> str:  # type: ignore[type-arg]
+    """``K``/``O``/``R`` per layer of a whole-layer plan."""
+    return "".join(c.value[0].upper() for c in choices)
+
+
+def _parts_text(parts: dict[str, dict[str, str]]) -> str:
+    """The layers planned part by part, those alike together: ``layers 0-3: core recompute``."""
+    groups: dict[str, list[int]] = {}
+    for j, choices in parts.items():
+        text = ", ".join(f"{name} {c}" for name, c in choices.items()) or "all kept"
+        groups.setdefault(text, []).append(int(j))
+    return "; ".join(
+        f"layers {','.join(map(str, js))}: {text}"
+        for text, js in sorted(groups.items(), key=lambda g: g[1])
+    )
 
 
 def _spread(round_medians: list[float]) -> float:
@@ -344,6 +383,9 @@ def _markdown(results: list[dict], device: str, rounds: int, steps: int, warmup:
                 )
                 + " |"
             )
+        for r in res["rows"]:
+            if r.get("parts"):
+                out += ["", f"Plan {r['plan']} part by part: {_parts_text(r['parts'])}."]
         out.append("")
     return "\n".join(out)
 
@@ -351,6 +393,7 @@ def _markdown(results: list[dict], device: str, rounds: int, steps: int, warmup:
 def _isolated(name: str, args: argparse.Namespace) -> dict:
     # One process per workload: each starts from an empty GPU (and D's process group).
     argv = ["--one", name, "--budgets", args.budgets, "--steps", str(args.steps)]
+    argv += ["--parts"] if args.parts else []
     argv += ["--warmup", str(args.warmup), "--rounds", str(args.rounds)]
     return run_isolated(__file__, argv + (["--quick"] if args.quick else []), {"workload": name})
 
@@ -359,12 +402,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller models (about a minute)")
     parser.add_argument(
+        "--parts", action="store_true", help="plan per part of a layer too (see the notes)"
+    )
+    parser.add_argument(
         "--workloads",
         default="llama,megatron,D,compare",
         help=f"comma-separated, of: {', '.join(WORKLOAD_DIMS)}",
     )
     parser.add_argument(
-        "--budgets", default="0.8,0.6,0.45", help="fractions of the measured peak without a plan"
+        "--budgets",
+        default="0.8,0.6,0.45",
+        help="fractions of the measured peak without a plan, or sizes (11.94GiB)",
     )
     parser.add_argument(
         "--rounds", type=int, default=5, help="rounds that take the configurations in turn"
@@ -381,9 +429,14 @@ def main() -> int:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("this benchmark needs a CUDA GPU")
-    fractions = [float(f) for f in args.budgets.split(",")]
+    try:
+        fractions = [float(parse_budget(f)) for f in args.budgets.split(",")]
+    except ValueError as err:
+        parser.error(str(err).replace("--budget", "--budgets"))
     if args.one:
-        result = _run(args.one, args.quick, fractions, args.rounds, args.steps, args.warmup)
+        result = _run(
+            args.one, args.quick, fractions, args.rounds, args.steps, args.warmup, args.parts
+        )
         print(json.dumps(result, default=str))
         return 0
     names = [w.strip() for w in args.workloads.split(",") if w.strip()]
