@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from cpu_offload.cli import main as cli_main
 from cpu_offload.models import run_layers
@@ -98,3 +100,35 @@ def error_in_another_thread(action: Callable[[], object]) -> RuntimeError:
     thread.join()
     assert len(errors) == 1, "the second thread was not refused"
     return errors[0]
+
+
+class StepTensors(TorchDispatchMode):
+    """Weak references to every tensor the operations run under it return."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: list[weakref.ref[torch.Tensor]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.refs.append(weakref.ref(t))
+        return out
+
+    def alive(self, model: nn.Module) -> list[torch.Tensor]:
+        """Tensors the step made that are still alive, the gradients left out."""
+        grads = {id(p.grad) for p in model.parameters() if p.grad is not None}
+        out = []
+        for ref in self.refs:
+            t = ref()
+            if t is not None and id(t) not in grads:
+                out.append(t)
+        return out
+
+    def live_bytes(self, model: nn.Module) -> int:
+        """Bytes of the storages of :meth:`alive` tensors, each storage once."""
+        storages = {
+            t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in self.alive(model)
+        }
+        return sum(storages.values())

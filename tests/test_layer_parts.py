@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import warnings
-import weakref
 
 import pytest
 import torch
+from helpers import StepTensors
+from test_layers import _llama
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from cpu_offload import HostTransport, offload_layers
 from cpu_offload.compare._profile import saved_bytes
@@ -127,38 +127,13 @@ def test_only_what_the_offloaded_part_saves_moves() -> None:
     assert whole.bytes_offloaded > part.bytes_offloaded
 
 
-class _LiveTensors(TorchDispatchMode):
-    """Weak references to every tensor the operations under it return."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.refs: list[weakref.ref[torch.Tensor]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.refs.append(weakref.ref(t))
-        return out
-
-    def live_bytes(self, model: nn.Module) -> int:
-        """Bytes of the storages still alive, the gradients left out."""
-        grads = {p.grad.untyped_storage()._cdata for p in model.parameters() if p.grad is not None}
-        storages = {}
-        for ref in self.refs:
-            t = ref()
-            if t is not None and t.untyped_storage()._cdata not in grads:
-                storages[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
-        return sum(storages.values())
-
-
 def _live_after_forward(model: nn.Module, x: torch.Tensor, **offload) -> tuple[int, int]:  # type: ignore[no-untyped-def]
     """Bytes the forward leaves alive for backward, and after backward."""
     with offload_layers(
         model, transport=HostTransport(), min_tensor_size_to_offload=MIN, **offload
     ):
         model.zero_grad(set_to_none=True)
-        with _LiveTensors() as live:
+        with StepTensors() as live:
             loss = model(x).square().mean()
             after_forward = live.live_bytes(model)
             loss.backward()
@@ -181,20 +156,7 @@ def test_a_recomputed_part_keeps_only_its_inputs() -> None:
 
 
 def test_parts_of_a_transformers_llama_are_bit_identical() -> None:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        use_cache=False,
-    )
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
+    model = _llama()
     gen = torch.Generator().manual_seed(2)
     tokens = [torch.randint(0, 128, (2, 32), generator=gen) for _ in range(2)]
 

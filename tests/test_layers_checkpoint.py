@@ -15,8 +15,8 @@ import weakref
 
 import pytest
 import torch
+from helpers import StepTensors
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from cpu_offload import HostTransport, offload_layers
@@ -27,31 +27,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 D = 32
 TOKENS = 64
 MIN = 64  # elements: every activation here is offloadable
-
-
-class StepTensors(TorchDispatchMode):
-    """Weak references to every tensor the operations run under it return."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.refs: list[weakref.ref[torch.Tensor]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.refs.append(weakref.ref(t))
-        return out
-
-    def alive(self, model: nn.Module) -> list[torch.Tensor]:
-        """Tensors the step made that are still alive, the gradients left out."""
-        grads = {id(p.grad) for p in model.parameters() if p.grad is not None}
-        out = []
-        for ref in self.refs:
-            t = ref()
-            if t is not None and id(t) not in grads:
-                out.append(t)
-        return out
 
 
 class StatefulBlock(nn.Module):
