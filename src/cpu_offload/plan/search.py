@@ -481,7 +481,9 @@ def part_methods(profile: Profile) -> dict[str, tuple[Choice | Parts, ...]]:
 
 
 def best_single_methods(
-    profile: Profile, peak_bytes: int, candidates: Mapping[str, Sequence[Choice | Parts]] | None = None
+    profile: Profile,
+    peak_bytes: int,
+    candidates: Mapping[str, Sequence[Choice | Parts]] | None = None,
 ) -> tuple[str, Estimate] | None:
     """The fastest one-method plan whose modelled peak is at most ``peak_bytes``.
 
