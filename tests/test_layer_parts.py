@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 from helpers import StepTensors
-from test_layers import _llama
+from test_layers import _llama, _lm_loss, _tokens
 from torch import nn
 
 from cpu_offload import HostTransport, offload_layers
@@ -157,19 +157,14 @@ def test_a_recomputed_part_keeps_only_its_inputs() -> None:
 
 def test_parts_of_a_transformers_llama_are_bit_identical() -> None:
     model = _llama()
-    gen = torch.Generator().manual_seed(2)
-    tokens = [torch.randint(0, 128, (2, 32), generator=gen) for _ in range(2)]
-
-    def loss_fn(m: nn.Module, t: torch.Tensor) -> torch.Tensor:
-        return m(input_ids=t, labels=t, use_cache=False).loss
-
-    want = _train(model, tokens, loss_fn)
+    tokens = _tokens()
+    want = _train(model, tokens, _lm_loss)
     parts = {
         0: {"self_attn": "recompute", "mlp": "offload"},
         1: {"mlp.act_fn": "recompute", "self_attn.o_proj": "offload", "input_layernorm": "keep"},
         2: {"mlp.down_proj": "recompute"},
     }
-    got, transport, _ = _run(model, tokens, loss_fn, parts=parts)
+    got, transport, _ = _run(model, tokens, _lm_loss, parts=parts)
     _assert_equal(got, want)
     assert transport.bytes_offloaded > 0
 
@@ -210,7 +205,7 @@ def test_reassign_changes_the_parts() -> None:
     ("parts", "error", "match"),
     [
         ([0], TypeError, "parts must map layer indices"),
-        ({"0": {}}, TypeError, "keys must be layer indices"),
+        ({"0": {}}, TypeError, r"parts must hold ints \(layer indices\), got '0'"),
         ({7: {"mlp": "keep"}}, ValueError, r"layer index 7 is out of range \[0, 3\]"),
         ({0: ["mlp"]}, TypeError, r"parts\[0\] must map submodule names"),
         ({0: {"ffn": "offload"}}, ValueError, r"'ffn' is not a submodule of layer 0.*norm1, attn"),
@@ -224,6 +219,34 @@ def test_bad_parts_are_named(parts, error, match) -> None:  # type: ignore[no-un
     with pytest.raises(error, match=match):
         offload_layers(model, parts=parts, recomputed=[1], transport=HostTransport())
     assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_a_module_is_a_part_once_and_of_one_handle() -> None:
+    model = _blocks()
+    model[2].mlp = model[0].mlp  # tied: one module in two layers
+    with pytest.raises(ValueError, match=r"parts\[2\]\['mlp'\] is the module of parts\[0\]"):
+        offload_layers(model, parts={0: {"mlp": "recompute"}, 2: {"mlp": "recompute"}})
+    model = _blocks()
+    inner = offload_layers([block.mlp for block in model], recomputed=[1])
+    with pytest.raises(ValueError, match="wrapped by another offload_layers already"):
+        offload_layers(model, parts={1: {"mlp": "offload"}}, transport=HostTransport())
+    inner.remove()
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_a_part_inside_the_models_own_checkpoint_says_it_does_nothing() -> None:
+    model = _llama()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    tokens = _tokens(1)
+    want = _train(model, tokens, _lm_loss)
+    transport = HostTransport()
+    with offload_layers(
+        model, parts={0: {"mlp": "offload"}}, transport=transport, min_tensor_size_to_offload=MIN
+    ):
+        with pytest.warns(UserWarning, match="runs inside the model's own activation checkpoint"):
+            got = _train(model, tokens, _lm_loss)
+    _assert_equal(got, want)
 
 
 def test_v1_offloads_no_parts(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -81,9 +81,21 @@ def test_a_storage_kept_by_one_part_is_not_moved_by_another() -> None:
     )
     layer = LayerCost(2.0, 4.0, 48, 48, 0, storages=storages, parts=parts)
     use = use_of(layer, Parts((("a", K), ("b", OFF))), False)
-    assert (use.resident, use.moved) == (40, 8)
+    # The engine still copies storage 0 (b saves it), which frees nothing: it comes back
+    # as a second device copy.
+    assert (use.resident, use.moved, use.copied) == (40, 8, 40)
     use = use_of(layer, Parts((("a", R), ("b", OFF))), False)
-    assert (use.resident, use.moved, use.rerun_bytes) == (0, 48, 0)
+    # a's recomputation makes storage 0 again in backward although b moved it.
+    assert (use.resident, use.moved, use.copied, use.rerun_bytes) == (0, 48, 0, 40)
+
+
+def test_a_recomputed_part_makes_again_what_the_layer_keeps_too() -> None:
+    # The part saves storage 0, which the layer also saves outside it, and storage 1.
+    storages = (Storage(40, 40, outside=True), Storage(8, 8))
+    parts = (PartCost("a", 1.0, 0.0, saved=(0, 1), inputs=()),)
+    layer = LayerCost(2.0, 4.0, 48, 48, 0, storages=storages, parts=parts)
+    use = use_of(layer, Parts((("a", R),)), False)
+    assert (use.resident, use.forward_extra, use.rerun_bytes) == (40, 8, 48)
 
 
 def test_all_parts_kept_is_keeping_the_layer() -> None:
@@ -127,6 +139,22 @@ def test_layer_options_leave_out_what_another_option_beats() -> None:
     assert _parts(proj=R) not in parts
     assert _parts(core=R) in parts and _parts(core=R, mlp=OFF) in parts
     assert len(layer_options(LAYER, limit=2)) == 5
+    with pytest.raises(ValueError, match="limit must be an int >= 0"):
+        layer_options(LAYER, limit=-1)
+    # The last layer offloads nothing, whole or in part.
+    last = layer_options(LAYER, last=True)
+    assert OFF not in last and not any(isinstance(o, Parts) and o.offloads for o in last)
+
+
+def test_an_offloaded_layer_is_not_the_same_option_as_a_kept_one() -> None:
+    # Offloading the part moves nothing (the layer keeps its storage outside it), and
+    # copies its bytes: as a plan, it is an offloaded layer, which moves the others'
+    # schedule; it is compared with offloaded options only.
+    storages = (Storage(40, 0, outside=True), Storage(60, 60))
+    parts = (PartCost("a", 1.0, 0.0, saved=(0,), inputs=()),)
+    layer = LayerCost(2.0, 4.0, 100, 60, 0, storages=storages, parts=parts)
+    options = layer_options(layer)
+    assert Parts((("a", OFF),)) in options
 
 
 def _random_layer(rng: random.Random) -> LayerCost:

@@ -104,8 +104,9 @@ def test_what_a_part_saves_is_what_autograd_saves_inside_it() -> None:
     ("parts", "error", "match"),
     [
         (["attention.kv"], ValueError, r"'attention.kv' is not a submodule of layer 0"),
-        ({9: ["mlp"]}, ValueError, r"parts: 9 is not a layer index in \[0, 1\]"),
+        ({9: ["mlp"]}, ValueError, r"parts: layer index 9 is out of range \[0, 1\]"),
         (["mlp", "mlp.0"], ValueError, "'mlp.0' lies inside 'mlp'"),
+        (["mlp", "mlp"], ValueError, r"parts\[0\]: 'mlp' is given twice"),
         ("mlp", TypeError, "parts must be True, False, a list of submodule names"),
     ],
 )

@@ -31,7 +31,10 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["PartChoice", "PartPlan", "check_parts", "keep_saved"]
+from ._layer_stack import check_indices
+from ._layer_wrap import wrap_of
+
+__all__ = ["PartChoice", "PartPlan", "check_part_names", "check_parts", "keep_saved"]
 
 
 class PartChoice(str, enum.Enum):
@@ -59,8 +62,40 @@ def keep_saved() -> torch.autograd.graph.saved_tensors_hooks:
     return torch.autograd.graph.saved_tensors_hooks(_detached, _same)
 
 
-def _submodule_names(layer: nn.Module) -> list[str]:
-    return [name for name, _ in layer.named_modules() if name]
+def check_part_names(arg: str, index: int, layer: nn.Module, names: Iterable[object]) -> list[str]:
+    """``names`` checked as parts of ``layer`` (layer ``index``): submodules of it, each
+    once, none inside another.
+
+    Args:
+        arg: What the message calls the argument (``"parts"``).
+        index: The layer's index.
+        layer: The layer.
+        names: Submodule paths inside it.
+
+    Raises:
+        ValueError: On a name that is not a submodule of the layer (the message lists
+            them), a name given twice, or a part inside another.
+    """
+    known = [name for name, _ in layer.named_modules() if name]
+    out: list[str] = []
+    for name in names:
+        if not isinstance(name, str) or name not in known:
+            shown = ", ".join(known[:12]) + (", ..." if len(known) > 12 else "")
+            raise ValueError(
+                f"{arg}[{index}]: {name!r} is not a submodule of layer {index} "
+                f"({type(layer).__name__}); its submodules: {shown}"
+            )
+        if name in out:
+            raise ValueError(f"{arg}[{index}]: {name!r} is given twice")
+        out.append(name)
+    for a in out:
+        for b in out:
+            if a != b and b.startswith(a + "."):
+                raise ValueError(
+                    f"{arg}[{index}]: {b!r} lies inside {a!r}; give each part once, the "
+                    "outer one or the ones inside it"
+                )
+    return out
 
 
 def check_parts(
@@ -76,10 +111,12 @@ def check_parts(
         whole: Indices of the layers offloaded or recomputed whole.
 
     Raises:
-        TypeError: If ``parts`` is not a mapping of layer indices to mappings of names.
+        TypeError: If ``parts`` is not a mapping of layer indices to mappings of names,
+            or a key is not an int.
         ValueError: On an index out of range, a layer also offloaded or recomputed whole,
-            a name that is not a submodule of its layer, a part inside another, or an
-            unknown choice.
+            a name that is not a submodule of its layer (or is given twice, or lies inside
+            another), a module that is a part twice (shared by two layers) or is wrapped
+            by another ``offload_layers`` already, or an unknown choice.
     """
     if parts is None:
         return {}
@@ -88,17 +125,12 @@ def check_parts(
             "parts must map layer indices to {submodule name: choice}, got "
             f"{type(parts).__name__}"
         )
-    n = len(layers)
+    check_indices("parts", parts.keys(), len(layers))
     taken = set(whole)
     allowed = ", ".join(repr(c.value) for c in PartChoice)
     out: PartPlan = {}
+    seen: dict[int, str] = {}  # id of a part's module -> where it was given
     for index, choices in parts.items():
-        if isinstance(index, bool) or not isinstance(index, int):
-            raise TypeError(f"parts: keys must be layer indices (ints), got {index!r}")
-        if not 0 <= index < n:
-            raise ValueError(
-                f"parts: layer index {index} is out of range [0, {n - 1}] for a stack of {n} layers"
-            )
         if index in taken:
             raise ValueError(
                 f"parts: layer {index} is also offloaded or recomputed whole; give a layer "
@@ -108,28 +140,28 @@ def check_parts(
             raise TypeError(
                 f"parts[{index}] must map submodule names to choices, got {type(choices).__name__}"
             )
-        names = _submodule_names(layers[index])
         layer_parts: dict[str, PartChoice] = {}
-        for name, choice in choices.items():
-            if not isinstance(name, str) or name not in names:
-                shown = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
-                raise ValueError(
-                    f"parts[{index}]: {name!r} is not a submodule of layer {index} "
-                    f"({type(layers[index]).__name__}); its submodules: {shown}"
-                )
+        for name in check_part_names("parts", index, layers[index], choices.keys()):
+            choice = choices[name]
             try:
                 layer_parts[name] = PartChoice(choice)
             except ValueError:
                 raise ValueError(
                     f"parts[{index}][{name!r}] must be one of {allowed}; got {choice!r}"
                 ) from None
-        for a in layer_parts:
-            for b in layer_parts:
-                if a != b and b.startswith(a + "."):
-                    raise ValueError(
-                        f"parts[{index}]: {b!r} lies inside {a!r}; give each part once, "
-                        "the outer one or the ones inside it"
-                    )
+            module = layers[index].get_submodule(name)
+            where = f"parts[{index}][{name!r}]"
+            if id(module) in seen:
+                raise ValueError(
+                    f"{where} is the module of {seen[id(module)]} too: a module shared by "
+                    "two layers (or two parts) can be a part of one only"
+                )
+            seen[id(module)] = where
+            if wrap_of(module) is not None:
+                raise ValueError(
+                    f"{where} ({type(module).__name__}) is wrapped by another offload_layers "
+                    "already; call remove() on that handle first"
+                )
         if layer_parts:
             out[index] = layer_parts
     return out

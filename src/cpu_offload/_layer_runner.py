@@ -166,6 +166,7 @@ class Runner:
         # This forward's caches to leave out (NOTE [No KV cache in training forwards]).
         self._dropped: list[str] = []
         self._warned_cache = False
+        self._warned_parts = False
 
     def take(self, other: Runner) -> None:
         """Run as ``other`` does from the next forward on (another set of layers)."""
@@ -224,6 +225,19 @@ class Runner:
             return out
         finally:
             swap_dynamo_callback(callback)
+
+    def warn_checkpointed_part(self, layer: int, name: str) -> None:
+        """Once per handle: a part ran inside the model's own checkpoint, which keeps its
+        layer's inputs only; the part has nothing of its own to offload or recompute."""
+        if self._warned_parts:
+            return
+        self._warned_parts = True
+        warn_at_caller(
+            f"offload_layers: part {name!r} of layer {layer} runs inside the model's own "
+            "activation checkpoint, which saves only the layer's inputs: its choice does "
+            "nothing there. Offload such layers whole (offloaded=[...]) to move the inputs "
+            "the checkpoint keeps, or turn the model's checkpointing off to plan parts"
+        )
 
     def _caches_to_drop(self, kwargs: dict) -> list[str]:
         """At a forward's first layer: which caches to leave out of this forward."""
@@ -357,8 +371,10 @@ class PartRunner:
             or owner.running != self.layer
             or not torch.is_grad_enabled()
             or in_backward()
-            or in_checkpoint_forward()
         ):
+            return run_layer(*_unbound(forward, args), kwargs)
+        if in_checkpoint_forward():
+            owner.warn_checkpointed_part(self.layer, self.name)
             return run_layer(*_unbound(forward, args), kwargs)
         callback = swap_dynamo_callback(None)
         try:

@@ -44,8 +44,8 @@ class OffloadedLayers:
     Attributes:
         layers: The layers, in forward order (the modules themselves).
         num_layers: How many there are.
-        offloaded: Indices of the offloaded layers, sorted (with the layers that offload
-            a part).
+        offloaded: Indices of the layers offloaded whole, sorted (a layer that offloads a
+            part counts as offloaded for the schedule, and is in ``parts``).
         recomputed: Indices of the recomputed (checkpointed) layers, sorted.
         parts: Per layer, what each of its parts does (``{index: {name: choice}}``).
         backend: ``"v1"`` or ``"v2"``, or None when no layer is offloaded.
@@ -71,7 +71,7 @@ class OffloadedLayers:
 
     def _describe(self, backend: str | None) -> None:
         runner = self._runner
-        self.offloaded = tuple(sorted(runner.offloaded))
+        self.offloaded = tuple(sorted(runner.offloaded - set(runner.parts)))
         self.recomputed = tuple(sorted(runner.recomputed))
         self.parts = {j: {name: c.value for name, c in p.items()} for j, p in runner.parts.items()}
         self.backend = backend
@@ -302,7 +302,8 @@ def _make_context(
         return get_cpu_offload_context(True, m, n, **context_kwargs)
     if m >= n:
         raise ValueError(
-            f"offload_layers: {m} of {n} layers offloaded; at least one layer's activations "
+            f"offload_layers: {m} of {n} layers offloaded (whole, or a part of them: a layer "
+            "that offloads a part counts as offloaded); at least one layer's activations "
             f"must stay on the GPU (offload at most {n - 1})"
         )
     if prefix:

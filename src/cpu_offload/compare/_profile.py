@@ -95,18 +95,24 @@ def _identity(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def distinct_bytes(saved: list[torch.Tensor]) -> int:
-    """Bytes of the storages of ``saved``, each counted once, parameters left out.
+def activation_storage(t: torch.Tensor) -> torch.UntypedStorage | None:
+    """The storage of a tensor saved for backward; None for a parameter or a view of one.
 
-    Storages are told apart by identity, not address, so that tensors on the meta
-    device (which have no memory) count as well.
+    Storages are told apart by identity (``storage._cdata``), not address, so that
+    tensors on the meta device (which have no memory) count as well.
     """
+    if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+        return None
+    return t.untyped_storage()
+
+
+def distinct_bytes(saved: list[torch.Tensor]) -> int:
+    """Bytes of the storages of ``saved``, each counted once, parameters left out."""
     storages: dict[int, int] = {}
     for t in saved:
-        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
-            continue
-        storage = t.untyped_storage()
-        storages[storage._cdata] = storage.nbytes()
+        storage = activation_storage(t)
+        if storage is not None:
+            storages[storage._cdata] = storage.nbytes()
     return sum(storages.values())
 
 

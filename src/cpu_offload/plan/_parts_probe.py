@@ -18,6 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._layer_parts import check_part_names
+from .._layer_stack import check_indices
+from ..compare._profile import activation_storage
 from ..engine.selection import ActivationPolicy
 from ._probe import Clock, sleep_cycles, timed_step
 from .costs import PartCost, Storage
@@ -57,9 +60,9 @@ class _Layer:
     inputs_of: dict[str, set[int]] = field(default_factory=dict)  # module -> its inputs
 
     def number(self, t: torch.Tensor, policy: ActivationPolicy, saved: bool) -> int | None:
-        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+        storage = activation_storage(t)
+        if storage is None:
             return None
-        storage = t.untyped_storage()
         key = storage._cdata
         number = self.index.get(key)
         if number is None:
@@ -186,30 +189,23 @@ def _names_for(spec: PartsSpec, j: int, module: nn.Module, layer: _Layer) -> lis
 
 def check_parts_spec(spec: object, layers: Sequence[nn.Module]) -> None:
     """Refuse a ``parts`` argument of :func:`cpu_offload.plan.profile_model` that cannot
-    be used, naming what is wrong."""
+    be used, naming what is wrong (see :func:`cpu_offload._layer_parts.check_part_names`)."""
     if isinstance(spec, bool):
         return
-    per_layer = (
-        spec.items() if isinstance(spec, Mapping) else [(j, spec) for j in range(len(layers))]
-    )
+    if isinstance(spec, (str, bytes)) or not isinstance(spec, (Sequence, Mapping)):
+        raise TypeError(
+            "parts must be True, False, a list of submodule names, or a dict of layer "
+            f"index to such lists; got {type(spec).__name__}"
+        )
+    if isinstance(spec, Mapping):
+        check_indices("parts", spec.keys(), len(layers))
+        per_layer = list(spec.items())
+    else:
+        per_layer = [(j, spec) for j in range(len(layers))]
     for j, names in per_layer:
-        if isinstance(j, bool) or not isinstance(j, int) or not 0 <= j < len(layers):
-            raise ValueError(f"parts: {j!r} is not a layer index in [0, {len(layers) - 1}]")
         if isinstance(names, (str, bytes)) or not isinstance(names, Sequence):
-            raise TypeError(
-                "parts must be True, False, a list of submodule names, or a dict of layer "
-                f"index to such lists; got {type(names).__name__}"
-            )
-        known = {name for name, _ in layers[j].named_modules() if name}
-        for name in names:
-            if name not in known:
-                raise ValueError(
-                    f"parts: {name!r} is not a submodule of layer {j} ({type(layers[j]).__name__})"
-                )
-        for a in names:
-            for b in names:
-                if a != b and _inside(b, a):
-                    raise ValueError(f"parts: {b!r} lies inside {a!r} in layer {j}")
+            raise TypeError(f"parts[{j}] must be a list of submodule names, got {names!r}")
+        check_part_names("parts", j, layers[j], names)
 
 
 class _Timer:

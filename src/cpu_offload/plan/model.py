@@ -376,9 +376,10 @@ def estimate(profile: Profile, choices: Sequence[object]) -> Estimate:
             tl.wait_for(offload_job[i])
             tl.free(uses[i].moved)
         for i in schedule.reload_at.get(point, ()):
+            back = uses[i].moved + uses[i].copied
             tl.copies.run_until(tl.t)
-            tl.alloc(uses[i].moved)
-            reload_job[i] = tl.copies.queue("h2d", tl.t, uses[i].moved, 0.0)
+            tl.alloc(back)
+            reload_job[i] = tl.copies.queue("h2d", tl.t, back, 0.0)
 
     for j, (cost, use) in enumerate(zip(layers, uses, strict=True)):
         run_point(Point(True, j))
@@ -390,7 +391,7 @@ def estimate(profile: Profile, choices: Sequence[object]) -> Estimate:
         if use.offloaded:
             # Each tensor's copy may start once it is saved; the last ends after the layer.
             tl.copies.run_until(start)
-            offload_job[j] = tl.copies.queue("d2h", start, use.moved, end)
+            offload_job[j] = tl.copies.queue("d2h", start, use.moved + use.copied, end)
     # The head and the loss run on what the layers hold at the end of the forward.
     tl.alloc(profile.head_bytes)
     tl.compute(profile.head_ms, 0, profile.head_host_ms)
@@ -402,5 +403,5 @@ def estimate(profile: Profile, choices: Sequence[object]) -> Estimate:
             tl.wait_for(reload_job[j])
         tl.alloc(use.rerun_bytes)
         tl.compute(use.rerun_ms + cost.backward_ms, cost.workspace_bytes, use.host_backward_ms)
-        tl.free(use.resident + use.moved + use.rerun_bytes)
+        tl.free(use.resident + use.moved + use.copied + use.rerun_bytes)
     return Estimate(tl.t + profile.other_ms, profile.static_bytes + tl.peak, tl.stall)

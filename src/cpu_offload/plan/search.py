@@ -34,8 +34,9 @@ __all__ = [
 
 #: Stacks up to this many layers are searched exhaustively by default (3**8 plans).
 EXACT_MAX_LAYERS = 8
-#: Part by part options kept per layer (the best by bytes freed per millisecond added).
-MAX_PART_OPTIONS = 12
+#: Part by part options kept per layer (the best by bytes freed per millisecond added,
+#: half of them offloaded layers of the schedule and half not, where there are enough).
+MAX_PART_OPTIONS = 16
 
 
 class NoPlanFits(ValueError):
@@ -169,12 +170,13 @@ def all_part_choices(cost: LayerCost) -> list[Parts]:
 
 
 def _figures(use: Use) -> tuple[float, ...]:
-    # What a plan's step and peak grow with, each: an option no worse on all of them
-    # than another is never the worse choice for a layer.
+    # What a plan's step and peak grow with, each: of two options that are offloaded
+    # layers of the schedule alike, one no worse on all of them is never the worse choice.
     return (
         use.resident,
         use.resident + use.moved,
-        use.moved,
+        use.moved + use.copied,
+        use.copied,
         use.forward_extra,
         use.rerun_bytes,
         use.rerun_ms,
@@ -184,48 +186,78 @@ def _figures(use: Use) -> tuple[float, ...]:
 
 
 def layer_options(
-    cost: LayerCost, link: Link | None = None, limit: int = MAX_PART_OPTIONS
+    cost: LayerCost, link: Link | None = None, limit: int = MAX_PART_OPTIONS, *, last: bool = False
 ) -> list[Choice | Parts]:
     """A layer's options for the search: keep, offload, recompute, and the part by part
     choices (where its parts were profiled) that no other option beats on every count.
 
-    Of those, the ``limit`` that free the most bytes per millisecond they add (of
-    recomputation, and of copies over ``link`` where given) are kept.
+    Options are compared only with options that are, or are not, offloaded layers of
+    the schedule alike (an offloaded layer moves the others' offload and reload points,
+    whatever it moves itself). Of the part by part options left, the ``limit`` that free
+    the most bytes per millisecond they add (of recomputation, and of copies over
+    ``link`` where given) are kept, half of them offloaded layers where there are enough.
 
     Args:
         cost: The layer's profile.
         link: The host link, to count copies as time.
-        limit: Most part by part options.
+        limit: Most part by part options (>= 0).
+        last: The layer is the last one, which cannot be offloaded, whole or in part.
 
     Returns:
-        The options, the three whole-layer choices first.
+        The options, the whole-layer choices first.
+
+    Raises:
+        ValueError: If ``limit`` is negative.
     """
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+        raise ValueError(f"limit must be an int >= 0, got {limit!r}")
+    whole: list[Choice | Parts] = [c for c in _WHOLE if not (last and c is Choice.OFFLOAD)]
     if not cost.parts:
-        return list(_WHOLE)
-    whole = [_figures(use_of(cost, c, True)) for c in _WHOLE]
-    candidates = [(p, _figures(use_of(cost, p, True))) for p in all_part_choices(cost)]
-    figures = whole + [f for _, f in candidates]
+        return whole
+    uses = {c: use_of(cost, c, True) for c in [*whole, *all_part_choices(cost)]}
+    uses = {c: u for c, u in uses.items() if not (last and u.offloaded)}
+    figures = {c: (u.offloaded, _figures(u)) for c, u in uses.items()}
 
-    def beaten(f: tuple[float, ...]) -> bool:
-        return any(g != f and all(a <= b for a, b in zip(g, f, strict=True)) for g in figures)
+    def beaten(option: Choice | Parts) -> bool:
+        flag, f = figures[option]
+        return any(
+            other_flag == flag and g != f and all(a <= b for a, b in zip(g, f, strict=True))
+            for other, (other_flag, g) in figures.items()
+            if other is not option
+        )
 
-    kept = [(p, f) for p, f in candidates if not beaten(f) and f not in whole]
-    unique = {f: p for p, f in reversed(kept)}  # one option per set of figures
-    saved = cost.saved_bytes
+    taken = {figures[c] for c in whole}
+    unique: dict[tuple, Parts] = {}
+    for option in uses:
+        if isinstance(option, Parts) and not beaten(option) and figures[option] not in taken:
+            unique.setdefault(figures[option], option)  # one option per set of figures
     rate = link.d2h_gbps * 1e6 if link is not None else None  # bytes per ms
 
-    def value(item: tuple[tuple[float, ...], Parts]) -> tuple[float, float, str]:
-        f, p = item
-        freed = saved - f[0]
-        added_ms = f[5] + (f[2] / rate if rate else 0.0)
-        return (-freed / max(added_ms, 1e-6), f[2], p.describe())
+    def value(option: Parts) -> tuple[float, float, str]:
+        use = uses[option]
+        freed = cost.saved_bytes - use.resident
+        copies = use.moved + use.copied
+        added_ms = use.rerun_ms + (copies / rate if rate else 0.0)
+        return (-freed / max(added_ms, 1e-6), copies, option.describe())
 
-    best = sorted(unique.items(), key=value)[:limit]
-    return [*_WHOLE, *(p for _, p in best)]
+    ranked = sorted(unique.values(), key=value)
+    # Both kinds in the menu: an offloaded layer and a layer that is not are not
+    # interchangeable in a plan, however their bytes compare.
+    offloaded = [p for p in ranked if uses[p].offloaded]
+    not_offloaded = [p for p in ranked if not uses[p].offloaded]
+    share = min(len(offloaded), max(limit // 2, limit - len(not_offloaded)))
+    best = offloaded[:share] + not_offloaded[: limit - share]
+    return [*whole, *sorted(best, key=value)]
 
 
 def _options(profile: Profile, parts: bool) -> list[list[Choice | Parts]]:
-    return [layer_options(c, profile.link) if parts else list(_WHOLE) for c in profile.layers]
+    n = profile.num_layers
+    return [
+        layer_options(c, profile.link, last=j == n - 1)
+        if parts
+        else [w for w in _WHOLE if not (j == n - 1 and w is Choice.OFFLOAD)]
+        for j, c in enumerate(profile.layers)
+    ]
 
 
 def brute_force(profile: Profile, budget_bytes: int) -> Plan:

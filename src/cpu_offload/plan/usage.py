@@ -24,6 +24,9 @@ class Use:
     Attributes:
         resident: Bytes kept on the device from the layer's forward to its backward.
         moved: Bytes offloaded: gone between the schedule's offload and reload points.
+        copied: Bytes copied to the host and back although the device keeps them too (a
+            storage an offloaded part saves and the layer keeps elsewhere): link time,
+            and a second device copy from the reload to the layer's backward.
         forward_extra: Bytes its forward holds for a while on top of its temporaries (a
             recomputed layer's or part's activations, dropped at its end).
         rerun_ms: The device's time its backward adds (recomputation).
@@ -36,6 +39,7 @@ class Use:
 
     resident: int
     moved: int
+    copied: int = 0
     forward_extra: int = 0
     rerun_ms: float = 0.0
     rerun_bytes: int = 0
@@ -75,7 +79,15 @@ def use_of(cost: LayerCost, choice: Choice | Parts, engaged: bool) -> Use:
         )
     if choice is Choice.RECOMPUTE:
         alloc = cost.recompute_alloc_bytes
-        return Use(cost.input_bytes, 0, alloc, cost.rerun_ms, alloc, host_f, host_b)
+        return Use(
+            cost.input_bytes,
+            0,
+            forward_extra=alloc,
+            rerun_ms=cost.rerun_ms,
+            rerun_bytes=alloc,
+            host_forward_ms=host_f,
+            host_backward_ms=host_b,
+        )
     return Use(cost.saved_bytes, 0, host_forward_ms=host_f, host_backward_ms=host_b)
 
 
@@ -95,20 +107,33 @@ def _use_of_parts(cost: LayerCost, parts: Parts, engaged: bool) -> Use:
             rerun_host_ms += part.host_ms
         else:
             kept.update(part.saved)
-    # A storage kept by anyone stays; one the engine cannot move stays too.
-    movable = {i for i in offload - kept if storages[i].offload_bytes > 0}
-    kept |= offload - movable
-    gone = recomputed - kept - movable
+    # The engine copies what an offloaded part saves; where the layer keeps it too, the
+    # copy frees nothing and comes back as a second device copy. One the engine cannot
+    # move stays.
+    copies = {i for i in offload if storages[i].offload_bytes > 0}
+    movable = copies - kept
+    copied = sum(storages[i].offload_bytes for i in copies & kept)
+    kept |= offload - copies
     moved = sum(storages[i].offload_bytes for i in movable)
     resident = sum(storages[i].nbytes for i in kept) + sum(storages[i].nbytes for i in movable)
     resident -= moved
-    rerun_bytes = sum(storages[i].nbytes for i in gone)
+    # A recomputed part's saved tensors the layer keeps no other way live only during
+    # its forward; in backward its recomputation makes all of them again (its inputs
+    # are the checkpoint's).
+    forward_extra = sum(storages[i].nbytes for i in recomputed - kept - copies)
+    rerun_inputs = {
+        i
+        for p, (_, c) in zip(cost.parts, parts.choices, strict=True)
+        if c is Choice.RECOMPUTE
+        for i in p.inputs
+    }
+    rerun_bytes = sum(storages[i].nbytes for i in recomputed - rerun_inputs)
     host_f = host_b = 0.0
     host = cost.host
     if host is not None:
         # The engine's host time scales with the share of the layer's bytes it moves,
         # a recomputation's with the share of the layer's forward it runs again.
-        moved_share = moved / cost.offload_bytes if cost.offload_bytes else 0.0
+        moved_share = (moved + copied) / cost.offload_bytes if cost.offload_bytes else 0.0
         rerun_share = min(rerun_host_ms / host.forward_ms, 1.0) if host.forward_ms > 0 else 0.0
         engaged_f = host.engaged_forward_ms if engaged or parts.offloads else 0.0
         engaged_b = host.engaged_backward_ms if engaged or parts.offloads else 0.0
@@ -127,7 +152,8 @@ def _use_of_parts(cost: LayerCost, parts: Parts, engaged: bool) -> Use:
     return Use(
         resident,
         moved,
-        forward_extra=rerun_bytes,
+        copied,
+        forward_extra=forward_extra,
         rerun_ms=rerun_ms,
         rerun_bytes=rerun_bytes,
         host_forward_ms=host_f,
@@ -146,4 +172,4 @@ def layer_bytes(cost: LayerCost, choice: Choice | Parts) -> tuple[int, int, int]
         ((20, 80, 0), (10, 0, 90))
     """
     use = use_of(cost, choice, False)
-    return use.resident, use.moved, use.rerun_bytes
+    return use.resident, use.moved + use.copied, use.rerun_bytes
