@@ -7,7 +7,8 @@ import warnings
 import pytest
 import torch
 from helpers import StepTensors
-from test_layers import _llama, _lm_loss, _tokens
+from test_layers import _assert_equal, _llama, _lm_loss, _tokens
+from test_layers import _train as train
 from torch import nn
 
 from cpu_offload import HostTransport, offload_layers
@@ -47,22 +48,13 @@ def _batches(count: int = 2) -> list[torch.Tensor]:
     return [torch.randn(2, 16, D, generator=gen) for _ in range(count)]
 
 
-def _train(model: nn.Module, batches, loss_fn=lambda m, x: m(x).square().mean()):  # type: ignore[no-untyped-def]
-    out = []
-    for batch in batches:
-        model.zero_grad(set_to_none=True)
-        loss = loss_fn(model, batch)
-        loss.backward()
-        out.append((loss.detach().clone(), [p.grad.clone() for p in model.parameters()]))
-    return out
+def _square(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).square().mean()
 
 
-def _assert_equal(got, want) -> None:  # type: ignore[no-untyped-def]
-    assert len(got) == len(want)
-    for (loss, grads), (ref_loss, ref_grads) in zip(got, want, strict=True):
-        assert torch.equal(loss, ref_loss)
-        for g, r in zip(grads, ref_grads, strict=True):
-            assert torch.equal(g, r), f"max |diff| {(g - r).abs().max()}"
+def _train(model: nn.Module, batches, loss_fn=_square):  # type: ignore[no-untyped-def]
+    """Losses and gradients of one step per batch (``_square`` loss by default)."""
+    return train(model, batches, loss_fn)
 
 
 def _run(model, batches, loss_fn=None, **offload):  # type: ignore[no-untyped-def]
