@@ -34,11 +34,12 @@ from torch import nn
 from ._layer_stack import check_indices
 from ._layer_wrap import wrap_of
 
-__all__ = ["PartChoice", "PartPlan", "check_part_names", "check_parts", "keep_saved"]
+__all__ = ["Choice", "PartPlan", "check_part_names", "check_parts", "keep_saved"]
 
 
-class PartChoice(str, enum.Enum):
-    """What happens to what one part of a layer saves for backward."""
+class Choice(str, enum.Enum):
+    """What happens to what a layer, or a part of it, saves for backward: kept,
+    offloaded or recomputed (also ``cpu_offload.plan.Choice``)."""
 
     KEEP = "keep"
     OFFLOAD = "offload"
@@ -46,7 +47,7 @@ class PartChoice(str, enum.Enum):
 
 
 #: Layer index -> part name (a submodule path inside the layer) -> choice.
-PartPlan = dict[int, dict[str, PartChoice]]
+PartPlan = dict[int, dict[str, Choice]]
 
 
 def _detached(tensor: torch.Tensor) -> torch.Tensor:
@@ -103,7 +104,7 @@ def check_parts(
     layers: list[nn.Module],
     whole: Iterable[int],
 ) -> PartPlan:
-    """``parts`` checked: layer index -> {submodule path: :class:`PartChoice`}.
+    """``parts`` checked: layer index -> {submodule path: :class:`Choice`}.
 
     Args:
         parts: What :func:`cpu_offload.offload_layers` was given, or None.
@@ -127,7 +128,7 @@ def check_parts(
         )
     check_indices("parts", parts.keys(), len(layers))
     taken = set(whole)
-    allowed = ", ".join(repr(c.value) for c in PartChoice)
+    allowed = ", ".join(repr(c.value) for c in Choice)
     out: PartPlan = {}
     seen: dict[int, str] = {}  # id of a part's module -> where it was given
     for index, choices in parts.items():
@@ -140,11 +141,11 @@ def check_parts(
             raise TypeError(
                 f"parts[{index}] must map submodule names to choices, got {type(choices).__name__}"
             )
-        layer_parts: dict[str, PartChoice] = {}
+        layer_parts: dict[str, Choice] = {}
         for name in check_part_names("parts", index, layers[index], choices.keys()):
             choice = choices[name]
             try:
-                layer_parts[name] = PartChoice(choice)
+                layer_parts[name] = Choice(choice)
             except ValueError:
                 raise ValueError(
                     f"parts[{index}][{name!r}] must be one of {allowed}; got {choice!r}"

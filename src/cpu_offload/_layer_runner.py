@@ -21,7 +21,7 @@ from ._compat import (
 )
 from ._compile import call_compiled, outside_compile
 from ._layer_call import run_layer, run_layer_recomputed
-from ._layer_parts import PartChoice, PartPlan, keep_saved
+from ._layer_parts import Choice, PartPlan, keep_saved
 from ._marking import MarkOutputs
 from ._warn import warn_at_caller
 
@@ -216,10 +216,12 @@ class Runner:
             if self._dropped:
                 kwargs = {**kwargs, **dict.fromkeys(self._dropped, None)}
             self.depth += 1
+            self.running = index  # for its parts
             try:
                 out = self._run(index, forward, args, kwargs, callback)
             finally:
                 self.depth -= 1
+                self.running = None
             if watch is not None and index == self.num_layers - 1:
                 watch.forward_ended(out)
             return out
@@ -282,11 +284,7 @@ class Runner:
             )
 
         if self.context is None:
-            self.running = index
-            try:
-                return run()
-            finally:
-                self.running = None
+            return run()
         if index == 0 and self.last_index not in (None, self.num_layers - 1):
             # The previous forward stopped between layers (an exception outside a layer):
             # start the iteration afresh instead of counting on from where it stopped.
@@ -297,12 +295,8 @@ class Runner:
         mark = MarkOutputs() if self.mark_outputs and index in self.offloaded else None
         # An offloaded layer with parts keeps what its offloaded parts do not take.
         keep = keep_saved() if index in self.parts and index in self.offloaded else None
-        self.running = index
-        try:
-            with self.context, mark or contextlib.nullcontext(), keep or contextlib.nullcontext():
-                out = run()
-        finally:
-            self.running = None
+        with self.context, mark or contextlib.nullcontext(), keep or contextlib.nullcontext():
+            out = run()
         assert self.sync is not None
         try:
             out = sync_first(out, self.sync, index)
@@ -365,9 +359,9 @@ class PartRunner:
         self, index: int, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict
     ) -> Any:
         owner = self.owner
-        choice = owner.parts.get(self.layer, {}).get(self.name, PartChoice.KEEP)
+        choice = owner.parts.get(self.layer, {}).get(self.name, Choice.KEEP)
         if (
-            choice is PartChoice.KEEP
+            choice is Choice.KEEP
             or owner.running != self.layer
             or not torch.is_grad_enabled()
             or in_backward()
@@ -378,7 +372,7 @@ class PartRunner:
             return run_layer(*_unbound(forward, args), kwargs)
         callback = swap_dynamo_callback(None)
         try:
-            if choice is PartChoice.RECOMPUTE:
+            if choice is Choice.RECOMPUTE:
                 return call_compiled(callback, recompute, forward, args, kwargs)
             hooks = owner.offload_hooks()
             with hooks if hooks is not None else contextlib.nullcontext():

@@ -17,7 +17,7 @@ from torch import nn
 from ._args import check_int
 from ._compat import in_backward
 from ._compile import keep_engine_out_of_compile
-from ._layer_parts import PartChoice, PartPlan, check_parts
+from ._layer_parts import Choice, PartPlan, check_parts
 from ._layer_runner import PartRunner, Runner, StepWatch, sync_first
 from ._layer_stack import check_indices, find_layers, offload_schedule
 from ._layer_wrap import Patch, patch_layer, wrap_of
@@ -336,7 +336,7 @@ def layer_runner(
     keep_engine_out_of_compile()  # see NOTE [torch.compile and the offload engine]
     v1 = use_v1()
     parts = parts or {}
-    with_parts = frozenset(j for j, p in parts.items() if PartChoice.OFFLOAD in p.values())
+    with_parts = frozenset(j for j, p in parts.items() if Choice.OFFLOAD in p.values())
     if v1 and with_parts:
         raise ValueError(
             f"parts: layers {sorted(with_parts)} offload parts, which the V1 backend "

@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import nn
 
-from .._layer_parts import PartChoice, check_parts
+from .._layer_parts import Choice, check_parts
 from .._layer_runner import PartRunner
 from .._layer_wrap import Patch, patch_layer
 from ..compare.variants import Variant
@@ -62,7 +62,7 @@ class PlanVariant(Variant):
         if transport is not None:
             kwargs["transport"] = transport
         # The part names are checked against the layers in install().
-        parts = {j: {n: PartChoice(c) for n, c in p.items()} for j, p in plan.parts.items()}
+        parts = {j: {n: Choice(c) for n, c in p.items()} for j, p in plan.parts.items()}
         with as_modelled():
             self.runner, _ = layer_runner(
                 num_layers,

@@ -9,9 +9,10 @@ offloaded or recomputed on their own) over the distinct storages the layer saves
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from .._layer_parts import Choice
 
 __all__ = [
     "Choice",
@@ -22,14 +23,6 @@ __all__ = [
     "Storage",
     "offload_layers_arguments",
 ]
-
-
-class Choice(str, enum.Enum):
-    """What a plan does with one layer's saved activations."""
-
-    KEEP = "keep"
-    OFFLOAD = "offload"
-    RECOMPUTE = "recompute"
 
 
 @dataclass(frozen=True)
