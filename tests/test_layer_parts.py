@@ -25,12 +25,12 @@ class Block(nn.Module):
     """Plain PyTorch: self-attention through ``nn.MultiheadAttention`` (query, key and
     value one tensor), an MLP and two norms."""
 
-    def __init__(self) -> None:
+    def __init__(self, d: int = D, heads: int = 4) -> None:
         super().__init__()
-        self.norm1 = nn.LayerNorm(D)
-        self.attn = nn.MultiheadAttention(D, 4, batch_first=True)
-        self.norm2 = nn.LayerNorm(D)
-        self.mlp = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU(), nn.Linear(4 * D, D))
+        self.norm1 = nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.norm2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm1(x)

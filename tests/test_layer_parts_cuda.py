@@ -12,6 +12,7 @@ import copy
 
 import pytest
 import torch
+from test_layer_parts import Block
 from test_layers_cuda import LAYERS, _llama
 from test_layers_cuda import _train as _train_llama
 from torch import nn
@@ -52,25 +53,9 @@ def test_llama_parts_offloaded_and_recomputed_bit_identical_with_less_memory(
     assert all(peak < ref_peak for (_, _, peak), (_, _, ref_peak) in zip(got, want, strict=True))
 
 
-class Block(nn.Module):
-    """Plain PyTorch: nn.MultiheadAttention (query, key and value one tensor) and an MLP."""
-
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.norm1 = nn.LayerNorm(d)
-        self.attn = nn.MultiheadAttention(d, 16, batch_first=True)
-        self.norm2 = nn.LayerNorm(d)
-        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.norm1(x)
-        x = x + self.attn(h, h, h, need_weights=False)[0]
-        return x + self.mlp(self.norm2(x))
-
-
 def _blocks() -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(*[Block(1024) for _ in range(6)]).to("cuda", torch.bfloat16)
+    return nn.Sequential(*[Block(1024, heads=16) for _ in range(6)]).to("cuda", torch.bfloat16)
 
 
 def _train_blocks(model: nn.Module, batches: list[torch.Tensor]) -> list:  # type: ignore[type-arg]

@@ -15,6 +15,7 @@ from ..engine.transport import Transport
 from ..layers import layer_runner
 from .apply import as_modelled, check_plan_layers
 from .search import Plan
+from .usage import is_offloaded
 
 __all__ = ["PlanVariant", "plan_variant"]
 
@@ -55,9 +56,7 @@ class PlanVariant(Variant):
         check_plan_layers(plan, num_layers)
         self.plan = plan
         kwargs: dict[str, Any] = {"min_tensor_size_to_offload": min_numel}
-        offloads = bool(plan.offloaded) or any(
-            "offload" in choices.values() for choices in plan.parts.values()
-        )
+        offloads = any(is_offloaded(c) for c in plan.choices)
         transport = self._transport() if offloads else None
         if transport is not None:
             kwargs["transport"] = transport
