@@ -20,6 +20,9 @@ deterministic kernels.
 With ``--parts`` the profile has each layer's parts, the plan may choose per part, and
 beside it run the plan of whole layers for the same budget and the one-part methods (one
 part recomputed or offloaded in every layer, as Megatron-LM's ``recompute_modules``).
+On the ``transformers`` Llama the model's own activation checkpointing of every layer,
+with and without its ``offload=True`` (where its version has it), runs among the methods.
+``--ks 2,4,8`` limits the single methods to those k, for the large workloads.
 """
 
 from __future__ import annotations
@@ -28,9 +31,11 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import inspect
 import json
 import statistics
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -160,19 +165,25 @@ def _release_pinned_cache() -> None:
 def _alternated(  # type: ignore[no-untyped-def]
     model: nn.Module,
     step: Callable[[], torch.Tensor],
-    configs: dict[str, list],
+    configs: dict[str, list | Callable[[], contextlib.AbstractContextManager]],
     rounds: int,
     steps: int,
     warmup: int,
 ) -> dict[str, dict]:
     """Each configuration's median step and peak, measured in ``rounds`` rounds that take
     the configurations in turn: a drift of the host's speed during the run then touches
-    all of them alike instead of the few measured while it lasted."""
+    all of them alike instead of the few measured while it lasted. A configuration is a
+    plan's choices, or a function that installs a model's own method (its context manager
+    removes it again), run with every layer kept."""
+    keep = [Choice.KEEP] * len(find_layers(model))
     medians: dict[str, list[float]] = {label: [] for label in configs}
     peaks: dict[str, int] = {}
     for _ in range(rounds):
-        for label, choices in configs.items():
-            ms, peak = measure_choices(model, step, choices, steps=steps, warmup=warmup)
+        for label, config in configs.items():
+            own = config() if callable(config) else contextlib.nullcontext()
+            with own:
+                choices = keep if callable(config) else config
+                ms, peak = measure_choices(model, step, choices, steps=steps, warmup=warmup)
             assert peak is not None
             _release_pinned_cache()
             medians[label].append(ms)
@@ -184,6 +195,42 @@ def _alternated(  # type: ignore[no-untyped-def]
         }
         for label, ms in medians.items()
     }
+
+
+def _own_methods(model: nn.Module) -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
+    """A ``transformers`` model's own activation checkpointing of every decoder layer, with
+    and (where its version has it) without ``offload=True``; none for other models.
+    ``activation_checkpointing_enable`` where the version has it, else the older
+    ``gradient_checkpointing_enable``."""
+    new = hasattr(model, "activation_checkpointing_enable")
+    prefix = "activation" if new else "gradient"
+    enable = getattr(model, f"{prefix}_checkpointing_enable", None)
+    if enable is None:
+        return {}
+    disable = getattr(model, f"{prefix}_checkpointing_disable")
+
+    def installer(offload: bool) -> Callable[[], contextlib.AbstractContextManager]:
+        @contextlib.contextmanager
+        def installed():  # type: ignore[no-untyped-def]
+            kwargs: dict = {f"{prefix}_checkpointing_kwargs": {"use_reentrant": False}}
+            if offload:
+                kwargs["offload"] = True
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                enable(**kwargs)
+            try:
+                yield
+            finally:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", FutureWarning)
+                    disable()
+
+        return installed
+
+    out = {"transformers checkpointing": installer(False)}
+    if "offload" in inspect.signature(enable).parameters:
+        out["transformers checkpointing, offload=True"] = installer(True)
+    return out
 
 
 def _exact(model: nn.Module, step: Callable[[], torch.Tensor], plans: list) -> list[bool]:  # type: ignore[type-arg]
@@ -206,10 +253,11 @@ def _run(  # type: ignore[no-untyped-def]
     steps: int,
     warmup: int,
     parts: bool = False,
+    ks: list[int] | None = None,
 ) -> dict:
     model, step = _build(name, quick)
     with timed_as_users_train():
-        result = _timed(model, step, name, fractions, rounds, steps, warmup, parts)
+        result = _timed(model, step, name, fractions, rounds, steps, warmup, parts, ks)
     plans = result.pop("plans")
     for row, same in zip(
         (r for r in result["rows"] if "plan" in r), _exact(model, step, plans), strict=True
@@ -227,13 +275,21 @@ def _timed(  # type: ignore[no-untyped-def]
     steps: int,
     warmup: int,
     parts: bool = False,
+    ks: list[int] | None = None,
 ) -> dict:
     n = len(find_layers(model))
     keep_choices = [Choice.KEEP] * n
     _, none_peak = measure_choices(model, step, keep_choices, steps=steps, warmup=warmup)
     assert none_peak is not None
     profile = profile_model(model, step, steps=steps, warmup=warmup, parts=parts)
-    methods = {**single_methods(n), **(part_methods(profile) if parts else {})}
+    wanted = None if ks is None else {f"k={k}" for k in ks}
+    methods = {
+        m: c
+        for m, c in single_methods(n).items()
+        if wanted is None or m.split()[-1] in wanted | {"all"}
+    }
+    methods |= part_methods(profile) if parts else {}
+    own = _own_methods(model)
 
     # The plans for the budgets, each applied once with its budget check; with parts,
     # the plan of whole layers for the same budget runs beside them as a method.
@@ -252,7 +308,7 @@ def _timed(  # type: ignore[no-untyped-def]
                 methods[f"whole-layer plan {whole_letters(whole)}"] = whole
 
     # No plan, every method and every plan, timed in alternating rounds.
-    configs: dict[str, list] = {"none": keep_choices, **methods}
+    configs: dict[str, list | Callable] = {"none": keep_choices, **methods, **own}
     for fraction, _, plan, got in checked:
         if plan is not None:
             configs[f"plan {fraction}"] = list(got["final"].choices)
@@ -263,6 +319,8 @@ def _timed(  # type: ignore[no-untyped-def]
     for label, choices in methods.items():
         est = estimate(profile, choices)
         singles[label] = {"modelled": [est.step_ms, est.peak_bytes], **timed[label]}
+    for label in own:
+        singles[label] = {"modelled": None, **timed[label]}
     rows, plans = [], []
     for fraction, budget, plan, got in checked:
         if plan is None:
@@ -394,6 +452,7 @@ def _isolated(name: str, args: argparse.Namespace) -> dict:
     # One process per workload: each starts from an empty GPU (and D's process group).
     argv = ["--one", name, "--budgets", args.budgets, "--steps", str(args.steps)]
     argv += ["--parts"] if args.parts else []
+    argv += ["--ks", args.ks] if args.ks else []
     argv += ["--warmup", str(args.warmup), "--rounds", str(args.rounds)]
     return run_isolated(__file__, argv + (["--quick"] if args.quick else []), {"workload": name})
 
@@ -423,6 +482,11 @@ def main() -> int:
     parser.add_argument(
         "--warmup", type=int, default=2, help="untimed steps before each configuration's"
     )
+    parser.add_argument(
+        "--ks",
+        help="the k of the single methods (offload or recompute the first k), comma-separated;"
+        " every k by default",
+    )
     parser.add_argument("--json", help="write all figures as JSON")
     parser.add_argument("--markdown", help="write the tables as Markdown")
     parser.add_argument("--one", help=argparse.SUPPRESS)
@@ -434,8 +498,12 @@ def main() -> int:
     except ValueError as err:
         parser.error(str(err).replace("--budget", "--budgets"))
     if args.one:
+        try:
+            ks = [int(k) for k in args.ks.split(",")] if args.ks else None
+        except ValueError:
+            parser.error(f"--ks: expected comma-separated integers, got {args.ks!r}")
         result = _run(
-            args.one, args.quick, fractions, args.rounds, args.steps, args.warmup, args.parts
+            args.one, args.quick, fractions, args.rounds, args.steps, args.warmup, args.parts, ks
         )
         print(json.dumps(result, default=str))
         return 0

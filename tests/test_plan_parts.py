@@ -107,6 +107,23 @@ def test_all_parts_kept_is_keeping_the_layer() -> None:
     assert offloaded.peak_bytes < keep.peak_bytes
 
 
+def test_a_backward_runs_until_it_needs_what_a_part_offloaded() -> None:
+    # The parts run proj, core, mlp (3.5 ms of forward): the backward runs the MLP's and
+    # the core's first (5 of its 7 ms) before it needs what the projection saved.
+    assert use_of(LAYER, _parts(proj=OFF), True).ahead_ms == pytest.approx(5.0)
+    assert use_of(LAYER, _parts(core=OFF), True).ahead_ms == pytest.approx(4.0)
+    assert use_of(LAYER, _parts(mlp=OFF), True).ahead_ms == 0.0
+    assert use_of(LAYER, OFF, True).ahead_ms == 0.0
+    # The projection's 10 bytes come back in 2 ms, or 8 ms (1.25e-6 GB/s): a stall of
+    # the 3 ms the backward ahead of them does not cover, none with 2 ms.
+    keep = estimate(Profile((LAYER,) * 2, Link(1e-4, 5e-6)), [K, K])
+    for h2d_gbps, stall in ((5e-6, 0.0), (1.25e-6, 3.0)):
+        profile = Profile((LAYER,) * 2, Link(1e-4, h2d_gbps))
+        est = estimate(profile, [_parts(proj=OFF), K])
+        assert est.stall_ms == pytest.approx(stall)
+        assert est.step_ms == pytest.approx(keep.step_ms + stall)
+
+
 def test_part_choices_are_checked_against_the_profiled_parts() -> None:
     layers = (LAYER, LAYER)
     plan = check_choices([{"core": "recompute"}, "keep"], 2, layers)

@@ -399,9 +399,17 @@ def estimate(profile: Profile, choices: Sequence[object]) -> Estimate:
     for j in reversed(range(n)):
         cost, use = layers[j], uses[j]
         run_point(Point(False, j))
-        if use.offloaded:
-            tl.wait_for(reload_job[j])
         tl.alloc(use.rerun_bytes)
-        tl.compute(use.rerun_ms + cost.backward_ms, cost.workspace_bytes, use.host_backward_ms)
+        busy_ms, host_ms = use.rerun_ms + cost.backward_ms, use.host_backward_ms
+        if use.offloaded:
+            # The backward runs until it needs its first offloaded tensor, which comes
+            # back (with the rest of the layer's, in forward order) meanwhile.
+            ahead = min(use.ahead_ms, cost.backward_ms)
+            if ahead > 0:
+                ahead_host = host_ms * ahead / busy_ms
+                tl.compute(ahead, cost.workspace_bytes, ahead_host)
+                busy_ms, host_ms = busy_ms - ahead, host_ms - ahead_host
+            tl.wait_for(reload_job[j])
+        tl.compute(busy_ms, cost.workspace_bytes, host_ms)
         tl.free(use.resident + use.moved + use.copied + use.rerun_bytes)
     return Estimate(tl.t + profile.other_ms, profile.static_bytes + tl.peak, tl.stall)

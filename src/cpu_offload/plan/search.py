@@ -182,6 +182,7 @@ def _figures(use: Use) -> tuple[float, ...]:
         use.rerun_ms,
         use.host_forward_ms,
         use.host_backward_ms,
+        -use.ahead_ms,
     )
 
 

@@ -35,6 +35,10 @@ class Use:
         host_forward_ms: The host's time for its forward.
         host_backward_ms: The host's time for its backward.
         offloaded: Whether it counts as offloaded for the schedule.
+        ahead_ms: The device's time its backward runs before it needs a tensor it
+            offloaded: the backward of the parts that save only after the last storage
+            it moves. 0 for a whole offloaded layer, whose last saved tensor is the first
+            its backward needs.
     """
 
     resident: int
@@ -46,6 +50,7 @@ class Use:
     host_forward_ms: float = 0.0
     host_backward_ms: float = 0.0
     offloaded: bool = False
+    ahead_ms: float = 0.0
 
 
 def is_offloaded(choice: Choice | Parts) -> bool:
@@ -159,7 +164,24 @@ def _use_of_parts(cost: LayerCost, parts: Parts, engaged: bool) -> Use:
         host_forward_ms=host_f,
         host_backward_ms=host_b,
         offloaded=parts.offloads,
+        ahead_ms=_ahead_ms(cost, copies),
     )
+
+
+def _ahead_ms(cost: LayerCost, sent: set[int]) -> float:
+    """The layer's backward time before it needs the first of the storages ``sent`` to
+    the host (numbered in the order its forward made them).
+
+    The backward runs the parts in reverse; the parts that saved only after the last
+    storage sent run theirs before that storage is needed, so its reload overlaps them.
+    Their share of the layer's backward is taken as their share of its forward.
+    """
+    if not sent:
+        return 0.0
+    last = max(sent)
+    total = sum(p.forward_ms for p in cost.parts)
+    later = sum(p.forward_ms for p in cost.parts if p.saved and min(p.saved) > last)
+    return cost.backward_ms * later / total if total > 0 else 0.0
 
 
 def layer_bytes(cost: LayerCost, choice: Choice | Parts) -> tuple[int, int, int]:
