@@ -193,6 +193,32 @@ def test_reassign_changes_the_parts() -> None:
     assert not any("forward" in m.__dict__ for m in model.modules())
 
 
+def test_reassign_keeps_the_parts_it_wraps_and_changes_their_choices() -> None:
+    # As the budget check tightens a plan: the same part, another choice, one more part.
+    model = _blocks()
+    batches = _batches()
+    want = _train(model, batches)
+    transport = HostTransport()
+    handle = offload_layers(
+        model, parts={0: {"mlp": "offload"}}, transport=transport, min_tensor_size_to_offload=MIN
+    )
+    with handle:
+        _assert_equal(_train(model, batches[:1]), want[:1])
+        handle.reassign(parts={0: {"mlp": "recompute", "attn": "offload"}, 1: {"mlp": "offload"}})
+        assert handle.parts == {
+            0: {"mlp": "recompute", "attn": "offload"},
+            1: {"mlp": "offload"},
+        }
+        moved = transport.bytes_offloaded
+        _assert_equal(_train(model, batches[1:]), want[1:])
+        assert transport.bytes_offloaded > moved
+        # A part another handle wraps is still refused.
+        other = [nn.Sequential(model[1].mlp)]
+        with pytest.raises(ValueError, match=r"parts\[0\]\['0'\] .* wrapped by another"):
+            offload_layers(other, parts={0: {"0": "offload"}}, transport=transport)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
 @pytest.mark.parametrize(
     ("parts", "error", "match"),
     [

@@ -25,7 +25,7 @@ a part runs as it is.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -103,6 +103,7 @@ def check_parts(
     parts: Mapping[Any, Mapping[Any, Any]] | None,
     layers: list[nn.Module],
     whole: Iterable[int],
+    owned: Collection[nn.Module] = (),
 ) -> PartPlan:
     """``parts`` checked: layer index -> {submodule path: :class:`Choice`}.
 
@@ -110,6 +111,8 @@ def check_parts(
         parts: What :func:`cpu_offload.offload_layers` was given, or None.
         layers: The wrapped layers.
         whole: Indices of the layers offloaded or recomputed whole.
+        owned: Part modules the caller wraps already (a handle that reassigns its
+            parts): not refused as wrapped by another ``offload_layers``.
 
     Raises:
         TypeError: If ``parts`` is not a mapping of layer indices to mappings of names,
@@ -158,7 +161,7 @@ def check_parts(
                     "two layers (or two parts) can be a part of one only"
                 )
             seen[id(module)] = where
-            if wrap_of(module) is not None:
+            if wrap_of(module) is not None and not any(module is m for m in owned):
                 raise ValueError(
                     f"{where} ({type(module).__name__}) is wrapped by another offload_layers "
                     "already; call remove() on that handle first"
