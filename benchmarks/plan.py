@@ -205,7 +205,7 @@ def _own_methods(model: nn.Module) -> dict[str, Callable[[], contextlib.Abstract
     new = hasattr(model, "activation_checkpointing_enable")
     prefix = "activation" if new else "gradient"
     enable = getattr(model, f"{prefix}_checkpointing_enable", None)
-    if enable is None:
+    if enable is None or not getattr(model, "supports_gradient_checkpointing", False):
         return {}
     disable = getattr(model, f"{prefix}_checkpointing_disable")
 
@@ -497,11 +497,13 @@ def main() -> int:
         fractions = [float(parse_budget(f)) for f in args.budgets.split(",")]
     except ValueError as err:
         parser.error(str(err).replace("--budget", "--budgets"))
+    try:
+        ks = [int(k) for k in args.ks.split(",")] if args.ks else None
+    except ValueError:
+        parser.error(f"--ks: expected comma-separated integers, got {args.ks!r}")
+    if ks is not None and any(k < 1 for k in ks):
+        parser.error(f"--ks: each k must be at least 1, got {args.ks!r}")
     if args.one:
-        try:
-            ks = [int(k) for k in args.ks.split(",")] if args.ks else None
-        except ValueError:
-            parser.error(f"--ks: expected comma-separated integers, got {args.ks!r}")
         result = _run(
             args.one, args.quick, fractions, args.rounds, args.steps, args.warmup, args.parts, ks
         )

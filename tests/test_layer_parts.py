@@ -210,7 +210,11 @@ def test_reassign_keeps_the_parts_it_wraps_and_changes_their_choices() -> None:
             1: {"mlp": "offload"},
         }
         moved = transport.bytes_offloaded
+        calls = []
+        hook = model[0].mlp[0].register_forward_hook(lambda *_: calls.append(1))
         _assert_equal(_train(model, batches[1:]), want[1:])
+        hook.remove()
+        assert len(calls) == 2 * len(batches[1:])  # layer 0's MLP is recomputed now
         assert transport.bytes_offloaded > moved
         # A part another handle wraps is still refused.
         other = [nn.Sequential(model[1].mlp)]

@@ -151,7 +151,7 @@ class OffloadedLayers:
         self._check_usable("reassign")
         offloaded_set, recomputed_set = _checked_sets(None, offloaded, recomputed, self.num_layers)
         # The parts this handle wraps now may be parts of the new plan too.
-        owned = [self.layers[j].get_submodule(name) for j, name in self._installed_parts]
+        owned = [patch.layer for patch in self._installed_parts.values()]
         part_plan = check_parts(parts, self.layers, offloaded_set | recomputed_set, owned)
         runner, backend = layer_runner(
             self.num_layers, offloaded_set, recomputed_set, parts=part_plan, **self._context_kwargs
