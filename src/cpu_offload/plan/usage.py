@@ -174,7 +174,10 @@ def _ahead_ms(cost: LayerCost, sent: set[int]) -> float:
 
     The backward runs the parts in reverse; the parts that saved only after the last
     storage sent run theirs before that storage is needed, so its reload overlaps them.
-    Their share of the layer's backward is taken as their share of its forward.
+    Their share of the layer's backward is taken as their share of its forward. "After"
+    is the order the forward first used each storage in: in a block whose branches take
+    one input side by side (a parallel residual), a part of one branch can count as
+    after a part of the other and its backward still run later, which the model misses.
     """
     if not sent:
         return 0.0
