@@ -201,6 +201,39 @@ def test_the_plain_step_is_the_median_of_the_rounds(monkeypatch: pytest.MonkeyPa
     assert estimate(profile, [Choice.KEEP] * LAYERS).step_ms == pytest.approx(1000.0)
 
 
+def test_only_the_rounds_of_the_hosts_fast_phase_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Three slow rounds of five (the host's slow phase), and every probed step of a slow
+    # round 1.5 times as long on the host: the plain step and the host's times come from
+    # the two fast rounds.
+    import cpu_offload.plan.profile as profile_module
+
+    slow = [False, True, False, True, True]
+    plain_ms = iter([1000.0] + [1500.0 if s else 1000.0 for s in slow])
+    monkeypatch.setattr(profile_module, "plain_step_ms", lambda step, clock, steps: next(plain_ms))
+    rounds = iter(slow)
+    real_rounds = profile_module._HostAndDevice._rounds
+
+    def rounds_with_phases(self, configs):  # type: ignore[no-untyped-def]
+        out, plain = real_rounds(self, configs)
+        for i in range(len(plain)):
+            factor = 1.5 if next(rounds) else 1.0
+            for runs in out.values():
+                for run in runs[i]:
+                    run.host_forward = [factor * 2.0] * len(run.host_forward)
+                    run.host_backward = [factor * 3.0] * len(run.host_backward)
+        return out, plain
+
+    monkeypatch.setattr(profile_module._HostAndDevice, "_rounds", rounds_with_phases)
+    model = _encoder()
+    x = _batches()[0]
+    profile = profile_model(
+        model, lambda: model(x).sum(), steps=2, host=True, min_tensor_size_to_offload=1024
+    )
+    assert all(c.host.forward_ms == 2.0 and c.host.backward_ms == 3.0 for c in profile.layers)
+    assert estimate(profile, [Choice.KEEP] * LAYERS).step_ms == pytest.approx(1000.0)
+    assert profile_module.fast_rounds([1000.0, 1020.0, 1040.0], 0.03) == [0, 1]
+
+
 def test_a_probe_counts_saved_tensors_or_measures_peaks_not_both() -> None:
     # NOTE [Memory peaks in a step of their own]: the hooks that count saved tensors
     # raise the peaks they would measure.
