@@ -4,11 +4,13 @@ model, and the search against brute force."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
 from cpu_offload.plan.model import (
     Choice,
+    HostCost,
     LayerCost,
     Link,
     PartCost,
@@ -122,6 +124,21 @@ def test_a_backward_runs_until_it_needs_what_a_part_offloaded() -> None:
         est = estimate(profile, [_parts(proj=OFF), K])
         assert est.stall_ms == pytest.approx(stall)
         assert est.step_ms == pytest.approx(keep.step_ms + stall)
+
+
+def test_a_recomputed_part_costs_the_host_its_share_of_the_layer() -> None:
+    # The layer's forward takes the host 2 ms; recomputing it whole adds 0.8 ms to its
+    # forward (the checkpoint's hooks) and 2.4 ms to its backward. The core's forward
+    # takes the host 0.25 ms of the 2: an eighth of each.
+    host = HostCost(
+        forward_ms=2.0, backward_ms=3.0, recompute_forward_ms=0.8, recompute_backward_ms=2.4
+    )
+    layer = replace(LAYER, host=host)
+    use = use_of(layer, _parts(core=R), False)
+    assert use.host_forward_ms == pytest.approx(2.0 + 0.8 / 8)
+    assert use.host_backward_ms == pytest.approx(3.0 + 2.4 / 8)
+    whole = use_of(layer, R, False)
+    assert whole.host_forward_ms == pytest.approx(2.8)
 
 
 def test_part_choices_are_checked_against_the_profiled_parts() -> None:
