@@ -232,6 +232,8 @@ def test_only_the_rounds_of_the_hosts_fast_phase_count(monkeypatch: pytest.Monke
     assert all(c.host.forward_ms == 2.0 and c.host.backward_ms == 3.0 for c in profile.layers)
     assert estimate(profile, [Choice.KEEP] * LAYERS).step_ms == pytest.approx(1000.0)
     assert profile_module.fast_rounds([1000.0, 1020.0, 1040.0], 0.03) == [0, 1]
+    assert profile_module.fast_rounds([float("nan"), 1000.0, 1040.0], 0.03) == [1]
+    assert profile_module.fast_rounds([float("nan")] * 2, 0.03) == [0, 1]
 
 
 def test_a_probe_counts_saved_tensors_or_measures_peaks_not_both() -> None:

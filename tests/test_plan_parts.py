@@ -139,6 +139,11 @@ def test_a_recomputed_part_costs_the_host_its_share_of_the_layer() -> None:
     assert use.host_backward_ms == pytest.approx(3.0 + 2.4 / 8)
     whole = use_of(layer, R, False)
     assert whole.host_forward_ms == pytest.approx(2.8)
+    # Parts whose host times are unknown (0) take their share of the device's forward:
+    # the core's 0.5 ms of the layer's 3.5.
+    untimed = tuple(replace(p, host_ms=0.0) for p in PARTS)
+    use = use_of(replace(layer, parts=untimed), _parts(core=R), False)
+    assert use.host_forward_ms == pytest.approx(2.0 + 0.8 / 7)
 
 
 def test_part_choices_are_checked_against_the_profiled_parts() -> None:

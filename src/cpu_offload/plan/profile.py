@@ -20,6 +20,7 @@ Times are measured one of two ways:
 
 from __future__ import annotations
 
+import math
 import statistics
 import threading
 import time
@@ -400,7 +401,10 @@ def fast_rounds(plain_ms: Sequence[float], share: float) -> list[int]:
         >>> fast_rounds([53.1, 46.4, 46.3, 51.9, 52.3], 0.03)
         [1, 2]
     """
-    fastest = min(plain_ms)
+    finite = [ms for ms in plain_ms if math.isfinite(ms)]
+    if not finite:
+        return list(range(len(plain_ms)))
+    fastest = min(finite)
     return [i for i, ms in enumerate(plain_ms) if ms <= fastest * (1 + share)]
 
 
