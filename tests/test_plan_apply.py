@@ -284,6 +284,22 @@ def test_offloadings_host_time_is_split_into_the_engines_share_and_the_layers() 
     }
 
 
+def test_what_a_choice_adds_is_scaled_to_the_fast_phase() -> None:
+    from cpu_offload.plan.profile import _extra
+
+    # Recomputing adds 1 ms a layer in the fast rounds; the second round runs 1.5 times
+    # slower (its plain step too), which the round's speed of 2/3 takes out.
+    def runs(extra: float, pace: float) -> list[_Times]:
+        return [_Times([pace * (2.0 + extra)] * 4, [pace * 4.0] * 4)] * 3
+
+    paces = (1.0, 1.5, 1.5)
+    recomputed = [runs(1.0, p) for p in paces]
+    kept = [runs(0.0, p) for p in paces]
+    assert _extra(recomputed, kept, "host_forward", 4) == pytest.approx(1.5)
+    speed = [1 / p for p in paces]
+    assert _extra(recomputed, kept, "host_forward", 4, speed=speed) == pytest.approx(1.0)
+
+
 def test_profile_step_that_skips_layers() -> None:
     model = _encoder()
     x = _batches()[0]

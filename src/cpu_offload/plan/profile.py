@@ -334,9 +334,16 @@ class _HostAndDevice(_Together):
         if n > 1:
             # Half the layers (at least one, never the last) through the engine.
             configs["offload"] = {"offloaded": range(m), "recomputed": ()}
-        rounds, plain_rounds = self._rounds(configs)
+        every_round, plain_rounds = self._rounds(configs)
+        # Times from the rounds of the fast phase; what a choice adds from every round,
+        # each scaled to the fast phase (more rounds: a steadier difference).
         fast = fast_rounds(plain_rounds, self.FAST_PHASE)
-        rounds = {name: [runs[i] for i in fast] for name, runs in rounds.items()}
+        fastest = min(plain_rounds[i] for i in fast)
+        speed = [
+            fastest / ms if math.isfinite(ms) and ms > 0 and math.isfinite(fastest) else 1.0
+            for ms in plain_rounds
+        ]
+        rounds = {name: [runs[i] for i in fast] for name, runs in every_round.items()}
         plain_rounds = [plain_rounds[i] for i in fast]
         kept_runs = _flat(rounds["keep"])
         host_f = median_times(kept_runs, "host_forward")
@@ -354,15 +361,15 @@ class _HostAndDevice(_Together):
                     median_times(self._device_times(runs, **every), "backward"), dev_b, strict=True
                 )
             ]
+            again, plain = every_round["recompute"], every_round["keep"]
             host = replace(
                 host,
-                recompute_forward_ms=_extra(rounds["recompute"], rounds["keep"], "host_forward", n),
-                recompute_backward_ms=_extra(
-                    rounds["recompute"], rounds["keep"], "host_backward", n
-                ),
+                recompute_forward_ms=_extra(again, plain, "host_forward", n, speed=speed),
+                recompute_backward_ms=_extra(again, plain, "host_backward", n, speed=speed),
             )
         if n > 1:
-            host = replace(host, **_offload_extras(rounds["offload"], rounds["keep"], n, m))
+            extras = _offload_extras(every_round["offload"], every_round["keep"], n, m, speed)
+            host = replace(host, **extras)
         layers = tuple(
             replace(
                 c,
@@ -418,22 +425,30 @@ def _extra(
     field: str,
     per: int,
     layers: Sequence[int] | None = None,
+    speed: Sequence[float] | None = None,
 ) -> float:
     """Host time ``variant`` took beyond ``kept`` in ``layers`` (all if None), per ``per``
-    layers: the median over rounds of each round's difference.
+    layers: the median over rounds of each round's difference, each scaled by its
+    round's ``speed`` (the fast phase's plain step over the round's: a slow phase of the
+    host stretches a difference as it stretches the step).
 
     At least 0: a difference below 0 is the host's noise, not a saving.
     """
     diffs = []
-    for v, k in zip(variant, kept, strict=True):
+    speeds = [1.0] * len(kept) if speed is None else speed
+    for v, k, pace in zip(variant, kept, speeds, strict=True):
         vm, km = median_times(v, field), median_times(k, field)
         js = range(len(vm)) if layers is None else layers
-        diffs.append(sum(vm[j] - km[j] for j in js))
+        diffs.append(pace * sum(vm[j] - km[j] for j in js))
     return max(statistics.median(diffs) / per, 0.0)
 
 
 def _offload_extras(
-    offload: list[list[StepTimes]], kept: list[list[StepTimes]], n: int, m: int
+    offload: list[list[StepTimes]],
+    kept: list[list[StepTimes]],
+    n: int,
+    m: int,
+    speed: Sequence[float] | None = None,
 ) -> dict[str, float]:
     """The host time offloading the first ``m`` of ``n`` layers adds, split in two.
 
@@ -447,8 +462,8 @@ def _offload_extras(
     out = {}
     for way, clean in (("forward", range(m + 1, n)), ("backward", range(n - 1, n))):
         field = f"host_{way}"
-        engaged = _extra(offload, kept, field, len(clean), clean) if clean else 0.0
-        total = _extra(offload, kept, field, 1)
+        engaged = _extra(offload, kept, field, len(clean), clean, speed) if clean else 0.0
+        total = _extra(offload, kept, field, 1, speed=speed)
         out[f"engaged_{way}_ms"] = engaged
         out[f"offload_{way}_ms"] = max((total - (n - m) * engaged) / m, 0.0)
     return out
