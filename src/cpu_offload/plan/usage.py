@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .costs import Choice, LayerCost, Parts
+from .costs import Choice, HostCost, LayerCost, Parts
 
 __all__ = ["Use", "is_offloaded", "layer_bytes", "use_of"]
 
@@ -142,7 +142,7 @@ def _use_of_parts(cost: LayerCost, parts: Parts, engaged: bool) -> Use:
         # Llama with a norm recomputed in every layer, 52.4 ms measured, was modelled at
         # 55.3 ms with the whole layer's checkpoint overhead in each layer's forward).
         moved_share = (moved + copied) / cost.offload_bytes if cost.offload_bytes else 0.0
-        rerun_share = _rerun_share(cost, host.forward_ms, rerun_host_ms, rerun_ms)
+        rerun_share = _rerun_share(cost, host, rerun_host_ms, rerun_ms)
         engaged_f = host.engaged_forward_ms if engaged or parts.offloads else 0.0
         engaged_b = host.engaged_backward_ms if engaged or parts.offloads else 0.0
         host_f = (
@@ -171,12 +171,12 @@ def _use_of_parts(cost: LayerCost, parts: Parts, engaged: bool) -> Use:
     )
 
 
-def _rerun_share(cost: LayerCost, host_ms: float, rerun_host_ms: float, rerun_ms: float) -> float:
+def _rerun_share(cost: LayerCost, host: HostCost, rerun_host_ms: float, rerun_ms: float) -> float:
     """The share of the layer's forward that its recomputed parts run again: on the
     host's clock, or on the device's where the parts' host times are not known (0, as
     for parts never timed with gradients on)."""
-    if rerun_host_ms > 0 and host_ms > 0:
-        return min(rerun_host_ms / host_ms, 1.0)
+    if rerun_host_ms > 0 and host.forward_ms > 0:
+        return min(rerun_host_ms / host.forward_ms, 1.0)
     if rerun_ms > 0 and cost.forward_ms > 0:
         return min(rerun_ms / cost.forward_ms, 1.0)
     return 0.0
