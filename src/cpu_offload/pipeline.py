@@ -31,7 +31,7 @@ from .engine.layer_state import LayerPhase
 from .engine.selection import mark_not_offload
 from .engine.transport import Transport, default_transport
 from .v2.context import DEFAULT_MIN_TENSOR_SIZE, get_cpu_offload_context
-from .v2.synchronizer import ManualOffloadSynchronizer
+from .v2.manual import ManualOffloadSynchronizer
 
 __all__ = [
     "PipelineAction",

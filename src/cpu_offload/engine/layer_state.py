@@ -80,6 +80,11 @@ class OffloadableLayerState:
         self._retained_sizes: list[int] = []
         self._captured: list[torch.Tensor] = []  # host buffers a captured graph uses
         self._seq = 0
+        #: Leave on the device the strided views whose base would be copied for them
+        #: (NOTE [Bytes that pay] in ``peak_watch.py``); read at each :meth:`start_offload`.
+        self.keep_view_bases = False
+        #: Bytes of such bases in the last offload, kept or moved (0 before the first).
+        self.view_base_bytes = 0
 
     # -- bookkeeping -----------------------------------------------------------------
 
@@ -147,12 +152,14 @@ class OffloadableLayerState:
         self._expect("start_offload", LayerPhase.NOT_OFFLOADED)
         if not self._entries:  # nothing saved: nothing to group, buffer or copy
             self._plan = GroupPlan()
+            self.view_base_bytes = 0
             self.phase = LayerPhase.OFFLOAD_STARTED
             return
         for entry in self._entries:
             # Modified in place since it was saved: backward must fail as without offloading.
             entry.keep = entry.tensor._version != entry.version
-        plan = self.processor.process(self._entries)
+        plan = self.processor.process(self._entries, self.keep_view_bases)
+        self.view_base_bytes = plan.view_base_bytes
         buffers = self._host_buffers(plan.units)
         # Known before any copy is queued, so that a failure part-way through is cleaned
         # up by release_all_memory (which waits for the copies already queued).

@@ -9,7 +9,8 @@ inverse, applied after reload:
   (``__tensor_unflatten__``);
 * the same tensor saved twice -> one unit, and back to the *same* reloaded tensor;
 * views of one base (q, k, v sliced from one qkv projection) -> the base, when the views
-  cover it, and back to views with the same size, stride and offset;
+  cover it, and back to views with the same size, stride and offset; or, where the layer
+  keeps such bases (NOTE [Bytes that pay] in ``peak_watch.py``), the views as they are;
 * a dense but permuted tensor -> a host buffer with the same strides, and back.
 
 A tensor none of these can restore exactly (a small strided slice of a large tensor,
@@ -108,6 +109,9 @@ class GroupPlan:
 
     units: list[Unit] = field(default_factory=list)
     refs: list[_Ref] = field(default_factory=list)
+    #: Bytes of bases that only strided views were saved from (moved as units, or kept
+    #: on the device where the layer keeps view bases): what keeping them would save.
+    view_base_bytes: int = 0
 
     def keep(self, index: int, tensor: torch.Tensor) -> None:
         """Serve pushed id ``index`` from ``tensor`` itself instead of its units."""
@@ -156,8 +160,12 @@ class TensorGroupProcessor:
 
     # -- forward: tensors -> units ---------------------------------------------------
 
-    def process(self, entries: Sequence[SavedEntry]) -> GroupPlan:
-        """Group ``entries`` (in push order) into units and references."""
+    def process(self, entries: Sequence[SavedEntry], keep_view_bases: bool = False) -> GroupPlan:
+        """Group ``entries`` (in push order) into units and references.
+
+        ``keep_view_bases``: leave on the device, as they are, the strided views whose
+        base would otherwise be copied for them (see :attr:`GroupPlan.view_base_bytes`).
+        """
         leaves: list[_Leaf] = []
         templates = [self._flatten(e.tensor, e, leaves) for e in entries]
 
@@ -186,7 +194,7 @@ class TensorGroupProcessor:
         plan = GroupPlan()
         leaf_refs: dict[int, _Ref] = {}
         for root, members in roots.values():
-            leaf_refs.update(self._plan_root(root, members, leaves, plan))
+            leaf_refs.update(self._plan_root(root, members, leaves, plan, keep_view_bases))
 
         plan.refs = [self._resolve(tpl, leaf_refs, alias) for tpl in templates]
         for ref in plan.refs:
@@ -221,7 +229,12 @@ class TensorGroupProcessor:
         )
 
     def _plan_root(
-        self, root: torch.Tensor, members: list[int], leaves: list[_Leaf], plan: GroupPlan
+        self,
+        root: torch.Tensor,
+        members: list[int],
+        leaves: list[_Leaf],
+        plan: GroupPlan,
+        keep_view_bases: bool,
     ) -> dict[int, _Ref]:
         refs: dict[int, _Ref] = {}
         tensors = [leaves[i].tensor for i in members]
@@ -247,6 +260,17 @@ class TensorGroupProcessor:
                 )
             )
         )
+        # A base copied only because views of it cannot be copied on their own: the views
+        # keep the whole base alive, so it stays or goes as one.
+        for_views = (
+            take_root
+            and not any(leaves[i].key == root_key or leaves[i].force_base for i in members)
+            and not all(is_dense(t) for t in tensors)
+        )
+        if for_views:
+            plan.view_base_bytes += root.numel() * root.element_size()
+            if keep_view_bases:
+                return {i: _KeptRef(t) for i, t in zip(members, tensors, strict=True)}
         if take_root:
             ready_leaf = max((leaves[i] for i in members), key=lambda leaf: leaf.seq)
             u = self._add_unit(plan, root, ready_leaf)

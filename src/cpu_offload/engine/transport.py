@@ -175,6 +175,14 @@ class Transport(ABC):
         """Whether a CUDA graph is being captured on the current stream."""
         return False
 
+    def peak_allocated(self) -> int | None:
+        """The device allocator's running peak of allocated bytes, or None if unknown.
+
+        The peak is read, never reset: it belongs to the caller (NOTE [Bytes that pay]
+        in ``peak_watch.py``).
+        """
+        return None
+
     @property
     def duplex(self) -> bool:
         """Whether reloads run on a stream of their own (both directions copy at once)."""
@@ -280,6 +288,12 @@ class CudaTransport(Transport):
 
     def capturing(self) -> bool:
         return torch.cuda.is_current_stream_capturing()
+
+    def peak_allocated(self) -> int | None:
+        # The nested statistics skip memory_stats' flattening of every counter in Python:
+        # read at each schedule point, this must cost microseconds.
+        stats = torch.cuda.memory_stats_as_nested_dict(self.stream.device)
+        return int(stats["allocated_bytes"]["all"]["peak"]) if stats else None
 
     # The stream calls below avoid torch.cuda's Python wrappers: see
     # NOTE [Host cost of CUDA stream calls].

@@ -3,7 +3,8 @@
 :class:`OffloadSynchronizer` keeps one :class:`OffloadableLayerState` per layer and
 counts forward and backward steps. Its subclasses decide the moments:
 :class:`DefaultOffloadSynchronizer` follows a schedule (the default k-of-n rule, or a
-``synchronization_dict``), :class:`ManualOffloadSynchronizer` leaves them to the caller.
+``synchronization_dict``); :class:`~cpu_offload.v2.manual.ManualOffloadSynchronizer`
+(in ``manual.py``) leaves them to the caller.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from .._args import check_bool, check_int
 from .._compat import capture_buffer_policy, queue_backward_callback
 from .._warn import warn_at_caller
 from ..engine.layer_state import LayerPhase, OffloadableLayerState
+from ..engine.peak_watch import PeakWatch, Window
 from ..engine.tensor_group import TensorGroupProcessor
 from ..engine.transport import Transport, resolve_transport
 from .schedule import (
@@ -29,7 +31,6 @@ from .schedule import (
 
 __all__ = [
     "DefaultOffloadSynchronizer",
-    "ManualOffloadSynchronizer",
     "OffloadSynchronizer",
     "TensorId",
 ]
@@ -350,7 +351,8 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
                     f"got {k}"
                 )
             synchronization_dict = default_synchronization_dict(k, num_layers)
-        self.schedule = Schedule(validate_synchronization_dict(synchronization_dict, num_layers))
+        sync = validate_synchronization_dict(synchronization_dict, num_layers)
+        self.schedule = Schedule(sync)
         # The work due at each point, indexed by layer: looked up twice per layer and
         # iteration, so plain lists rather than dictionaries keyed by Point objects.
         n = num_layers
@@ -358,6 +360,46 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
         at_forward = [self._work_at(Point(True, i)) for i in range(n)]
         at_backward = [self._work_at(Point(False, i)) for i in range(n)]
         self._at_forward, self._at_backward = at_forward, at_backward
+        # A layer reloaded at the very point its memory is released is never off the
+        # device: it has no window.
+        spans = {
+            layer: (Point(f, i).position(n), Point(r, j).position(n))
+            for layer, (f, i, r, j) in sync.items()
+        }
+        self._windows = [
+            Window(layer, start, end)
+            for layer, (start, end) in sorted(spans.items())
+            if start < end
+        ]
+        #: Made once a layer to offload has view bases to keep (NOTE [Bytes that pay]).
+        self.peak_watch: PeakWatch | None = None
+
+    def start_new_iteration(self) -> None:
+        super().start_new_iteration()
+        if self.peak_watch is not None:
+            self.peak_watch.begin()
+
+    def finish_part_of_bwd(self) -> None:
+        super().finish_part_of_bwd()
+        self._choose_kept_bytes()
+
+    def _choose_kept_bytes(self) -> None:
+        # At the end of a backward, before the caller's next step resets anything: the
+        # iteration's points were read; choose again which layers keep their view bases.
+        offloaded = [w.layer for w in self._windows]
+        candidates = {i: self.layers[i].view_base_bytes for i in offloaded}
+        if self.peak_watch is None:
+            # Made once a layer with a window has view bases; it watches the next iteration.
+            if any(candidates.values()) and self.transport.peak_allocated() is not None:
+                self.peak_watch = PeakWatch(
+                    self.transport.peak_allocated,  # type: ignore[arg-type]
+                    self._windows,
+                    2 * self.num_layers,
+                )
+            return
+        kept = self.peak_watch.end(candidates)
+        for i in offloaded:
+            self.layers[i].keep_view_bases = i in kept
 
     def _work_at(self, point: Point) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
         finish = tuple(self.schedule.finish_at.get(point, ()))
@@ -413,6 +455,8 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
                 self.layers[layer].start_reload()
 
     def _on_forward_start(self, layer_id: int) -> None:
+        if self.peak_watch is not None:
+            self.peak_watch.mark(layer_id)
         work = self._at_forward[layer_id]
         if work is not None:
             self._run_point(work)
@@ -423,48 +467,8 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
             state.start_offload()
 
     def _on_backward_start(self, layer_id: int) -> None:
+        if self.peak_watch is not None:
+            self.peak_watch.mark(2 * self.num_layers - 1 - layer_id)
         work = self._at_backward[layer_id]
         if work is not None:
             self._run_point(work)
-
-
-class ManualOffloadSynchronizer(OffloadSynchronizer):
-    """Offloading driven by the caller, for pipeline schedules.
-
-    Every layer's candidate tensors are held; a layer is offloaded only if the caller
-    calls :meth:`start_offload_layer`, :meth:`release_activation_forward_gpu_memory` and
-    :meth:`start_reload_layer` for it, in that order. A layer for which none is called
-    is simply not offloaded.
-    """
-
-    def _layer(self, layer_id: int) -> OffloadableLayerState:
-        self._check_layer_id(layer_id)
-        return self.layers[layer_id]
-
-    def start_offload_layer(self, layer_id: int) -> None:
-        """Queue asynchronous device-to-host copies of ``layer_id``'s saved tensors.
-
-        Each copy waits for the event recorded when its tensor was saved.
-
-        Raises:
-            RuntimeError: If the layer's offload already started.
-        """
-        self._layer(layer_id).start_offload()
-
-    def release_activation_forward_gpu_memory(self, layer_id: int) -> None:
-        """Make the current stream wait for ``layer_id``'s offload, then free its memory.
-
-        Raises:
-            RuntimeError: If :meth:`start_offload_layer` was not called first.
-        """
-        self._layer(layer_id).release_activation_forward_gpu_memory()
-
-    def start_reload_layer(self, layer_id: int) -> None:
-        """Queue host-to-device copies of ``layer_id``'s tensors.
-
-        The compute stream waits for each tensor's copy when backward first uses it.
-
-        Raises:
-            RuntimeError: If the layer's memory was not released first.
-        """
-        self._layer(layer_id).start_reload()

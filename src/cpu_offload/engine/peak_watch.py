@@ -1,0 +1,156 @@
+"""Where a step's memory peaks, and which offloaded bytes therefore pay for their copies.
+
+NOTE [Bytes that pay]
+A tensor moved to the host costs link time twice, out and back; the move pays only if
+the tensor is off the device when the step's memory peaks. An offloaded layer's tensors
+are off the device from the schedule point where its memory is released to the point
+where its reload begins: the layer's *window*. Keeping ``b`` of its bytes on the device
+raises the memory of every moment inside the window by ``b``, and of no other moment.
+
+Some bytes are moved only for the sake of others: a base that strided views of it (q, k
+and v sliced from one projection) were saved from is copied whole, because the views
+cannot be copied and rebuilt on their own. Those bases are the candidates here: a layer
+keeps them on the device (``OffloadableLayerState.keep_view_bases``) when its window can
+hold them without raising the step's peak, and moves them otherwise.
+
+Where the peak falls is read, not modelled: the allocator keeps a running maximum of
+allocated memory. Read at each schedule point ``t``, it bounds the peak of the interval
+that ends there: ``r[t] >= peak of (t - 1, t]``. With ``P`` the running maximum at the
+end of the iteration's backward, ``P - r[t]`` is a lower bound of the room left in
+interval ``t``: exact up to the interval where the running maximum reached ``P``, and
+zero after it. (What the caller allocates after the backward, an optimizer's state say,
+could only add room: leaving it out errs on the safe side.) A layer keeps its bases when
+they fit in the room of every interval of its window, after the layers chosen before it.
+
+The running maximum belongs to the caller and is never reset here. When an earlier step
+peaked higher, every ``r[t]`` equals ``P`` and nothing is kept: the choice is made in an
+iteration that sets a new peak (the first ones of a process, or any iteration after the
+caller resets the peak statistics, as benchmarks do). If a later iteration's peak rises
+inside the window of a layer that keeps its bases, that layer moves them again from the
+next iteration on, and is not chosen again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+__all__ = ["PeakWatch", "Window"]
+
+
+@dataclass(frozen=True)
+class Window:
+    """Where layer ``layer``'s offloaded tensors are off the device.
+
+    Positions count the schedule points of one iteration in the order they run: the
+    memory is released at point ``start`` and the reload begins at point ``end``, so the
+    intervals ending at points ``start + 1`` to ``end`` are the window's.
+    """
+
+    layer: int
+    start: int
+    end: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start < self.end:
+            raise ValueError(
+                f"a window must start before it ends (0 <= start < end), got layer "
+                f"{self.layer}: start={self.start}, end={self.end}"
+            )
+
+
+class PeakWatch:
+    """Reads the running peak at an iteration's schedule points and chooses the layers
+    that keep their view bases on the device (NOTE [Bytes that pay]).
+
+    Args:
+        read_peak: The allocator's running peak of allocated bytes.
+        windows: The offloaded layers' windows.
+        points: The number of schedule points in one iteration.
+
+    Raises:
+        ValueError: If ``windows`` is empty or one ends at or after ``points``.
+
+    Example:
+        >>> peaks = iter([10, 40, 60, 100])  # at begin, at points 1 and 2, at the end
+        >>> watch = PeakWatch(lambda: next(peaks), [Window(0, 0, 2)], points=3)
+        >>> watch.begin(); watch.mark(1); watch.mark(2)
+        >>> sorted(watch.end({0: 30}))  # the peak fell after the window: room of 60, 40
+        [0]
+    """
+
+    def __init__(
+        self, read_peak: Callable[[], int], windows: Sequence[Window], points: int
+    ) -> None:
+        if not windows:
+            raise ValueError("windows is empty: a watch needs at least one offloaded layer")
+        for w in windows:
+            if w.end >= points:
+                raise ValueError(
+                    f"layer {w.layer}'s window ends at point {w.end}, but an iteration has "
+                    f"points 0 to {points - 1}"
+                )
+        self._read = read_peak
+        self.windows = {w.layer: w for w in windows}
+        first = min(w.start for w in windows)
+        last = max(w.end for w in windows)
+        #: Only points that end an interval of some window are read.
+        self._wanted = [first < p <= last for p in range(points)]
+        self._marks: list[int | None] = [None] * points
+        self._start: int | None = None
+        #: Layers that keep their view bases on the device.
+        self.kept: set[int] = set()
+        #: Layers whose kept bases raised the peak once: they move them for good.
+        self.refused: set[int] = set()
+
+    def begin(self) -> None:
+        """Start watching an iteration (before its first point)."""
+        self._start = self._read()
+        self._marks = [None] * len(self._marks)
+
+    def mark(self, position: int) -> None:
+        """Read the running peak at the point ``position`` (before the point's work)."""
+        if self._start is not None and self._wanted[position]:
+            self._marks[position] = self._read()
+
+    def end(self, candidate_bytes: Mapping[int, int]) -> set[int]:
+        """End the iteration (at the end of its backward) and choose again.
+
+        Args:
+            candidate_bytes: Per offloaded layer, the bytes of its view bases in this
+                iteration, kept or moved.
+
+        Returns:
+            The layers that keep their view bases from the next iteration on. An
+            iteration cut short (a point never read) changes nothing.
+        """
+        start, self._start = self._start, None
+        marks = self._marks
+        if start is None or any(m is None for m, w in zip(marks, self._wanted, strict=True) if w):
+            return self.kept
+        peak = self._read()
+        if peak > start:
+            at = next((p for p, m in enumerate(marks) if m is not None and m >= peak), None)
+            harmed = {
+                layer
+                for layer in self.kept
+                if at is not None and self.windows[layer].start < at <= self.windows[layer].end
+            }
+            if harmed:
+                self.kept -= harmed
+                self.refused |= harmed
+                return self.kept
+        used = [0] * len(marks)
+        for layer in sorted(candidate_bytes):
+            nbytes = candidate_bytes[layer]
+            if nbytes <= 0 or layer in self.kept or layer in self.refused:
+                continue
+            window = self.windows.get(layer)
+            if window is None:
+                continue
+            span = range(window.start + 1, window.end + 1)
+            if all(peak - marks[p] - used[p] >= nbytes for p in span):  # type: ignore[operator]
+                for p in span:
+                    used[p] += nbytes
+                self.kept.add(layer)
+        return self.kept

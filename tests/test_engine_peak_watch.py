@@ -1,0 +1,273 @@
+"""Which offloaded bytes pay (NOTE [Bytes that pay]): the peak watch on synthetic memory
+profiles, checked against the profile it was read from, and V2's default schedule keeping
+or moving view bases on the CPU stand-in as the running peak says, bit-exact throughout.
+"""
+
+from __future__ import annotations
+
+import random
+import warnings
+
+import pytest
+from helpers import assert_bit_equal, step
+
+from cpu_offload import HostTransport, v2
+from cpu_offload.engine.peak_watch import PeakWatch, Window
+from cpu_offload.models import ModelSpec, build_layers
+
+# -- the watch alone -----------------------------------------------------------------------
+
+
+class _Reads:
+    """The running peak the watch reads: set by the test before each read."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def __call__(self) -> int:
+        return self.value
+
+
+def _watch(windows: list[Window], points: int) -> tuple[PeakWatch, _Reads]:
+    reads = _Reads()
+    return PeakWatch(reads, windows, points), reads
+
+
+def _run(
+    watch: PeakWatch,
+    reads: _Reads,
+    interval_peaks: list[int],
+    candidates: dict[int, int],
+    before: int = 0,
+    after: int = 0,
+) -> set[int]:
+    """One iteration whose interval ``t`` (ending at point ``t``) peaks at
+    ``interval_peaks[t]``; ``before`` is the running peak when it begins, ``after`` the
+    peak between its last point and the next iteration."""
+    reads.value = before
+    watch.begin()
+    for t, peak in enumerate(interval_peaks):
+        reads.value = max(reads.value, peak)
+        watch.mark(t)  # a point the watch does not want is not read
+    reads.value = max(reads.value, after)
+    return set(watch.end(candidates))
+
+
+def test_peak_after_every_window_keeps_what_fits():
+    # Windows (0, 3] and (1, 4]; the step peaks at 100 in interval 5, after both.
+    watch, reads = _watch([Window(0, 0, 3), Window(1, 1, 4)], 6)
+    kept = _run(watch, reads, [10, 50, 60, 70, 75, 100], {0: 20, 1: 20})
+    # Room: 50, 40, 30, 25 in intervals 1..4; layer 0 takes 20 of 1..3, layer 1 needs 20
+    # in 2..4 where 20, 10 and 25 are left: it does not fit.
+    assert kept == {0}
+
+
+def test_peak_inside_a_window_keeps_nothing_there():
+    watch, reads = _watch([Window(0, 0, 3)], 5)
+    assert _run(watch, reads, [10, 20, 100, 30, 40], {0: 1}) == set()
+
+
+def test_an_earlier_higher_peak_teaches_nothing():
+    watch, reads = _watch([Window(0, 0, 3)], 5)
+    assert _run(watch, reads, [10, 20, 30, 40, 50], {0: 1}, before=500) == set()
+
+
+def test_peak_between_iterations_counts_as_after_the_windows():
+    watch, reads = _watch([Window(0, 0, 3)], 5)
+    assert _run(watch, reads, [10, 20, 30, 40, 50], {0: 30}, after=80) == {0}
+
+
+def test_a_cut_short_iteration_changes_nothing():
+    watch = PeakWatch(iter([0, 10, 100]).__next__, [Window(0, 0, 2)], 4)
+    watch.begin()
+    watch.mark(1)  # point 2 is never reached
+    assert watch.end({0: 1}) == set()
+
+
+def test_kept_bytes_that_raise_the_peak_move_again_for_good():
+    watch, reads = _watch([Window(0, 0, 3)], 5)
+    assert _run(watch, reads, [10, 20, 30, 40, 100], {0: 30}) == {0}
+    # Next iteration the peak rises inside the window: layer 0 moves its bases again.
+    assert _run(watch, reads, [10, 20, 130, 40, 100], {0: 30}, before=100) == set()
+    assert watch.refused == {0}
+    # Room again (a reset of the peak statistics): layer 0 is not chosen again.
+    assert _run(watch, reads, [10, 20, 30, 40, 100], {0: 30}) == set()
+
+
+def test_bad_windows_are_refused():
+    with pytest.raises(ValueError, match="start before it ends"):
+        Window(0, 3, 3)
+    with pytest.raises(ValueError, match="windows is empty"):
+        PeakWatch(lambda: 0, [], 4)
+    with pytest.raises(ValueError, match="ends at point 4"):
+        PeakWatch(lambda: 0, [Window(0, 1, 4)], 4)
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_what_is_kept_never_raises_the_peak(seed):
+    """On random profiles, keeping the chosen bytes leaves every interval within the peak."""
+    rng = random.Random(seed)
+    points = rng.randint(3, 12)
+    windows = []
+    for layer in range(rng.randint(1, 4)):
+        start = rng.randint(0, points - 2)
+        windows.append(Window(layer, start, rng.randint(start + 1, points - 1)))
+    candidates = {w.layer: rng.randint(0, 40) for w in windows}
+    peaks = [rng.randint(0, 100) for _ in range(points)]
+    after = rng.choice([0, rng.randint(0, 150)])
+    watch, reads = _watch(windows, points)
+    kept = _run(watch, reads, peaks, candidates, after=after)
+    step_peak = max(*peaks, after)
+    for t in range(points):
+        extra = sum(
+            candidates[w.layer] for w in windows if w.layer in kept and w.start < t <= w.end
+        )
+        assert peaks[t] + extra <= step_peak
+
+
+# -- V2's default schedule on the CPU stand-in ---------------------------------------------
+
+N, K = 4, 2  # windows: layer 0 from the forward of 2 to the backward of 1, layer 1 2..2
+
+
+class _PeakTransport(HostTransport):
+    """The CPU stand-in with a running peak the test raises where it wants the step's peak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.peak = 0
+
+    def peak_allocated(self) -> int:
+        return self.peak
+
+
+def _gpt():
+    # Its attention saves q, k and v as strided views of one projection: view bases.
+    spec = ModelSpec(kind="gpt", hidden=64, heads=4, seq=64, batch=2, layers=N)
+    layers = build_layers(spec, "cpu")
+
+    def make():
+        return spec.make_input("cpu", seed=1)
+
+    return layers, make, step(layers, make)
+
+
+def _context(transport):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing may warn: bases are kept on purpose
+        return v2.get_cpu_offload_context(
+            True, K, N, transport=transport, min_tensor_size_to_offload=256
+        )
+
+
+def _moved_per_step(layers, make, ref, ctx, sync, steps):
+    transport = ctx.offload_synchronizer.transport
+    moved = []
+    for _ in range(steps):
+        before = transport.bytes_offloaded
+        assert_bit_equal(ref, step(layers, make, ctx, sync))
+        assert transport.bytes_reloaded == transport.bytes_offloaded
+        moved.append(transport.bytes_offloaded - before)
+    return moved
+
+
+def _in_forward_of(layer, action):
+    """Run ``action`` at the end of ``layer``'s forward: inside both windows."""
+    return layer.register_forward_hook(lambda module, args, out: action())
+
+
+def _in_backward_of(layer, action):
+    """Run ``action`` when ``layer``'s backward begins: layer 0's is after both windows."""
+
+    def hook(module, args, out):
+        out.register_hook(lambda grad: action())
+
+    return layer.register_forward_hook(hook)
+
+
+def test_bases_stay_when_the_peak_falls_after_every_window():
+    layers, make, ref = _gpt()
+    transport = _PeakTransport()
+    ctx, sync = _context(transport)
+
+    def raise_peak():
+        transport.peak += 1 << 30
+
+    handle = _in_backward_of(layers[0], raise_peak)
+    try:
+        moved = _moved_per_step(layers, make, ref, ctx, sync, 4)
+    finally:
+        handle.remove()
+    synchronizer = ctx.offload_synchronizer
+    bases = sum(synchronizer.layers[i].view_base_bytes for i in range(K))
+    assert bases > 0
+    # Made after iteration 0, the watch reads iteration 1 and chooses at its end.
+    assert moved[0] == moved[1] == moved[2] + bases == moved[3] + bases
+    assert synchronizer.peak_watch.kept == set(range(K))
+    assert all(synchronizer.layers[i].keep_view_bases for i in range(K))
+
+
+def test_bases_move_when_the_peak_falls_inside_the_windows():
+    layers, make, ref = _gpt()
+    transport = _PeakTransport()
+    ctx, sync = _context(transport)
+    raises = []
+
+    def raise_peak():
+        raises.append(1)
+        transport.peak += 1 << 30
+
+    handle = _in_forward_of(layers[N - 1], raise_peak)
+    try:
+        moved = _moved_per_step(layers, make, ref, ctx, sync, 4)
+    finally:
+        handle.remove()
+    assert len(raises) == 4
+    assert moved == [moved[0]] * 4
+    assert ctx.offload_synchronizer.peak_watch.kept == set()
+
+
+def test_bases_that_raise_the_peak_move_again():
+    layers, make, ref = _gpt()
+    transport = _PeakTransport()
+    ctx, sync = _context(transport)
+    inside = [False]
+
+    def raise_peak():
+        transport.peak += 1 << 30
+
+    after = _in_backward_of(layers[0], lambda: None if inside[0] else raise_peak())
+    during = _in_forward_of(layers[N - 1], lambda: raise_peak() if inside[0] else None)
+    try:
+        moved = _moved_per_step(layers, make, ref, ctx, sync, 3)
+        inside[0] = True  # from now on, the peak rises inside the windows
+        moved += _moved_per_step(layers, make, ref, ctx, sync, 2)
+    finally:
+        after.remove()
+        during.remove()
+    watch = ctx.offload_synchronizer.peak_watch
+    assert moved[2] < moved[0]  # kept in iteration 2
+    assert moved[3] == moved[2]  # and in iteration 3, whose peak rose inside the windows
+    assert moved[4] == moved[0]  # so iteration 4 moves them again
+    assert watch.kept == set() and watch.refused == set(range(K))
+
+
+def test_no_watch_without_a_peak_reading():
+    layers, make, ref = _gpt()
+    ctx, sync = _context(HostTransport())
+    moved = _moved_per_step(layers, make, ref, ctx, sync, 3)
+    assert moved == [moved[0]] * 3
+    assert ctx.offload_synchronizer.peak_watch is None
+
+
+def test_no_watch_without_view_bases():
+    spec = ModelSpec(kind="mha", hidden=64, heads=4, seq=64, batch=2, layers=N)
+    layers = build_layers(spec, "cpu")
+
+    def make():
+        return spec.make_input("cpu", seed=1)
+
+    ref = step(layers, make)
+    ctx, sync = _context(_PeakTransport())
+    _moved_per_step(layers, make, ref, ctx, sync, 3)
+    assert ctx.offload_synchronizer.peak_watch is None

@@ -1,0 +1,109 @@
+"""Bytes that pay on a real GPU (NOTE [Bytes that pay]): V2's default schedule reads the
+allocator's running peak, keeps q, k and v's projection on the device only where that
+raises no peak, and stays bit-exact.
+
+Run with deterministic kernels:
+``CUBLAS_WORKSPACE_CONFIG=:4096:8 PYTHONPATH=src python3 -m pytest -m cuda``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import StepResult, assert_bit_equal, step
+
+from cpu_offload import CudaTransport, v2
+from cpu_offload.models import ModelSpec, build_layers
+
+pytestmark = pytest.mark.cuda
+
+DEV = "cuda"
+N, K = 6, 2
+STEPS = 4  # iteration 1 is read, the choice holds from iteration 2 on
+
+
+class _Blind(CudaTransport):
+    """The CUDA transport without the peak reading: every view base moves."""
+
+    def peak_allocated(self) -> None:
+        return None
+
+
+def _gpt(dtype):
+    # Plain PyTorch SDPA blocks: q, k and v are strided views of one projection.
+    spec = ModelSpec(kind="gpt", hidden=512, heads=8, seq=1024, batch=4, layers=N, dtype=dtype)
+    layers = build_layers(spec, DEV)
+
+    def make():
+        return spec.make_input(DEV)
+
+    return layers, make
+
+
+def _steps(layers, make, transport, extra=None) -> tuple[list[StepResult], list[int], object]:
+    ctx, sync = v2.get_cpu_offload_context(
+        True, K, N, transport=transport, min_tensor_size_to_offload=1024
+    )
+    handles = [] if extra is None else extra(layers)
+    results, moved = [], []
+    try:
+        for _ in range(STEPS):
+            before = transport.bytes_offloaded
+            results.append(step(layers, make, ctx, sync))
+            moved.append(transport.bytes_offloaded - before)
+    finally:
+        for h in handles:
+            h.remove()
+    return results, moved, ctx.offload_synchronizer
+
+
+def _allocate(nbytes: int) -> None:
+    torch.empty(nbytes, dtype=torch.uint8, device=DEV)  # allocated and freed at once
+
+
+def _peak_after_windows(layers):
+    # A large transient when layer 0's backward begins, after every reload: the step's peak.
+    def hook(module, args, out):
+        out.register_hook(lambda grad: _allocate(4 << 30))
+
+    return [layers[0].register_forward_hook(hook)]
+
+
+def _peak_inside_windows(layers):
+    # A large transient at the end of the last forward, while both layers are offloaded.
+    return [layers[N - 1].register_forward_hook(lambda m, a, o: _allocate(4 << 30))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_model_peak_never_raised_and_exact(dtype, deterministic):
+    layers, make = _gpt(dtype)
+    ref = step(layers, make)
+    watched, _, sync = _steps(layers, make, CudaTransport())
+    blind, _, _ = _steps(layers, make, _Blind())
+    assert sync.peak_watch is not None
+    for got, moved_all in zip(watched, blind, strict=True):
+        assert_bit_equal(ref, got)
+        assert got.peak_bytes <= moved_all.peak_bytes, (got.peak_bytes, moved_all.peak_bytes)
+
+
+def test_bases_stay_when_the_peak_falls_after_the_windows(deterministic):
+    layers, make = _gpt(torch.bfloat16)
+    ref = step(layers, make)
+    watched, moved, sync = _steps(layers, make, CudaTransport(), _peak_after_windows)
+    blind, moved_blind, _ = _steps(layers, make, _Blind(), _peak_after_windows)
+    bases = sum(sync.layers[i].view_base_bytes for i in range(K))
+    assert bases > 0 and sync.peak_watch.kept == set(range(K))
+    assert moved[2:] == [moved_blind[2] - bases] * (STEPS - 2)
+    for got, moved_all in zip(watched, blind, strict=True):
+        assert_bit_equal(ref, got)
+        assert got.peak_bytes == moved_all.peak_bytes  # the transient sets both peaks
+
+
+def test_bases_move_when_the_peak_falls_inside_the_windows(deterministic):
+    layers, make = _gpt(torch.bfloat16)
+    ref = step(layers, make)
+    watched, moved, sync = _steps(layers, make, CudaTransport(), _peak_inside_windows)
+    assert sync.peak_watch.kept == set()
+    assert moved == [moved[0]] * STEPS
+    for got in watched:
+        assert_bit_equal(ref, got)
