@@ -11,6 +11,7 @@ import torch
 from .. import _log
 from .._compat import pinned_alloc_in_capture_supported
 from .layout import TensorLayout
+from .selection import is_dense
 from .tensor_group import GroupPlan, SavedEntry, TensorGroupProcessor, Unit
 from .transport import HostBufferPool, Transport, resolve_transport
 
@@ -80,11 +81,12 @@ class OffloadableLayerState:
         self._retained_sizes: list[int] = []
         self._captured: list[torch.Tensor] = []  # host buffers a captured graph uses
         self._seq = 0
-        #: Leave on the device the strided views whose base would be copied for them
-        #: (NOTE [Bytes that pay] in ``peak_watch.py``); read at each :meth:`start_offload`.
+        #: Leave strided views of a larger base to autograd, as without offloading, rather
+        #: than copy their base (NOTE [Bytes that pay] in ``peak_watch.py``).
         self.keep_view_bases = False
         #: Bytes of such bases in the last offload, kept or moved (0 before the first).
         self.view_base_bytes = 0
+        self._kept_bases: dict[int, int] = {}  # base address -> bytes, this iteration
 
     # -- bookkeeping -----------------------------------------------------------------
 
@@ -120,6 +122,13 @@ class OffloadableLayerState:
             if _log.debug_enabled():
                 _log.kept(self.name, tensor, _log.policy_reason(self.policy, tensor))
             return tensor
+        base = tensor._base
+        if self.keep_view_bases and base is not None and not is_dense(tensor):
+            # Autograd holds it, and frees it, as it would without offloading.
+            self._kept_bases[base.data_ptr()] = base.numel() * base.element_size()
+            if _log.debug_enabled():
+                _log.kept(self.name, tensor, "a view whose base stays: copying it lowers no peak")
+            return tensor
         self._seq += 1
         entries = self._entries
         entries.append(
@@ -152,14 +161,14 @@ class OffloadableLayerState:
         self._expect("start_offload", LayerPhase.NOT_OFFLOADED)
         if not self._entries:  # nothing saved: nothing to group, buffer or copy
             self._plan = GroupPlan()
-            self.view_base_bytes = 0
+            self.view_base_bytes = self._take_kept_bases()
             self.phase = LayerPhase.OFFLOAD_STARTED
             return
         for entry in self._entries:
             # Modified in place since it was saved: backward must fail as without offloading.
             entry.keep = entry.tensor._version != entry.version
-        plan = self.processor.process(self._entries, self.keep_view_bases)
-        self.view_base_bytes = plan.view_base_bytes
+        plan = self.processor.process(self._entries)
+        self.view_base_bytes = plan.view_base_bytes + self._take_kept_bases()
         buffers = self._host_buffers(plan.units)
         # Known before any copy is queued, so that a failure part-way through is cleaned
         # up by release_all_memory (which waits for the copies already queued).
@@ -177,6 +186,11 @@ class OffloadableLayerState:
             unit.copied = event
         if _log.debug_enabled():
             self._log_offload(plan)
+
+    def _take_kept_bases(self) -> int:
+        nbytes = sum(self._kept_bases.values())
+        self._kept_bases.clear()
+        return nbytes
 
     def _log_offload(self, plan: GroupPlan) -> None:
         for unit in plan.units:
@@ -394,6 +408,7 @@ class OffloadableLayerState:
                 unit.host = unit.host_view = unit.tensor = unit.reloaded = None
         self._plan = None
         self._entries = []
+        self._kept_bases.clear()
         self.phase = LayerPhase.NOT_OFFLOADED
 
     # -- reporting -------------------------------------------------------------------

@@ -9,8 +9,8 @@ inverse, applied after reload:
   (``__tensor_unflatten__``);
 * the same tensor saved twice -> one unit, and back to the *same* reloaded tensor;
 * views of one base (q, k, v sliced from one qkv projection) -> the base, when the views
-  cover it, and back to views with the same size, stride and offset; or, where the layer
-  keeps such bases (NOTE [Bytes that pay] in ``peak_watch.py``), the views as they are;
+  cover it, and back to views with the same size, stride and offset (a layer may keep
+  such views on the device instead: NOTE [Bytes that pay] in ``peak_watch.py``);
 * a dense but permuted tensor -> a host buffer with the same strides, and back.
 
 A tensor none of these can restore exactly (a small strided slice of a large tensor,
@@ -109,8 +109,8 @@ class GroupPlan:
 
     units: list[Unit] = field(default_factory=list)
     refs: list[_Ref] = field(default_factory=list)
-    #: Bytes of bases that only strided views were saved from (moved as units, or kept
-    #: on the device where the layer keeps view bases): what keeping them would save.
+    #: Bytes of the bases copied only because strided views of them were saved: what
+    #: keeping those views on the device would spare the link.
     view_base_bytes: int = 0
 
     def keep(self, index: int, tensor: torch.Tensor) -> None:
@@ -160,12 +160,8 @@ class TensorGroupProcessor:
 
     # -- forward: tensors -> units ---------------------------------------------------
 
-    def process(self, entries: Sequence[SavedEntry], keep_view_bases: bool = False) -> GroupPlan:
-        """Group ``entries`` (in push order) into units and references.
-
-        ``keep_view_bases``: leave on the device, as they are, the strided views whose
-        base would otherwise be copied for them (see :attr:`GroupPlan.view_base_bytes`).
-        """
+    def process(self, entries: Sequence[SavedEntry]) -> GroupPlan:
+        """Group ``entries`` (in push order) into units and references."""
         leaves: list[_Leaf] = []
         templates = [self._flatten(e.tensor, e, leaves) for e in entries]
 
@@ -194,7 +190,7 @@ class TensorGroupProcessor:
         plan = GroupPlan()
         leaf_refs: dict[int, _Ref] = {}
         for root, members in roots.values():
-            leaf_refs.update(self._plan_root(root, members, leaves, plan, keep_view_bases))
+            leaf_refs.update(self._plan_root(root, members, leaves, plan))
 
         plan.refs = [self._resolve(tpl, leaf_refs, alias) for tpl in templates]
         for ref in plan.refs:
@@ -229,12 +225,7 @@ class TensorGroupProcessor:
         )
 
     def _plan_root(
-        self,
-        root: torch.Tensor,
-        members: list[int],
-        leaves: list[_Leaf],
-        plan: GroupPlan,
-        keep_view_bases: bool,
+        self, root: torch.Tensor, members: list[int], leaves: list[_Leaf], plan: GroupPlan
     ) -> dict[int, _Ref]:
         refs: dict[int, _Ref] = {}
         tensors = [leaves[i].tensor for i in members]
@@ -260,17 +251,13 @@ class TensorGroupProcessor:
                 )
             )
         )
-        # A base copied only because views of it cannot be copied on their own: the views
-        # keep the whole base alive, so it stays or goes as one.
-        for_views = (
+        if (
             take_root
             and not any(leaves[i].key == root_key or leaves[i].force_base for i in members)
             and not all(is_dense(t) for t in tensors)
-        )
-        if for_views:
+        ):
+            # Copied only because views of it cannot be copied on their own.
             plan.view_base_bytes += root.numel() * root.element_size()
-            if keep_view_bases:
-                return {i: _KeptRef(t) for i, t in zip(members, tensors, strict=True)}
         if take_root:
             ready_leaf = max((leaves[i] for i in members), key=lambda leaf: leaf.seq)
             u = self._add_unit(plan, root, ready_leaf)
