@@ -30,7 +30,7 @@ class _Reads:
 
 def _watch(windows: list[Window], points: int) -> tuple[PeakWatch, _Reads]:
     reads = _Reads()
-    return PeakWatch(reads, windows, points), reads
+    return PeakWatch(reads, windows, points, slack=0), reads
 
 
 def _run(
@@ -78,7 +78,7 @@ def test_peak_between_iterations_counts_as_after_the_windows():
 
 
 def test_a_cut_short_iteration_changes_nothing():
-    watch = PeakWatch(iter([0, 10, 100]).__next__, [Window(0, 0, 2)], 4)
+    watch = PeakWatch(iter([0, 10, 100]).__next__, [Window(0, 0, 2)], 4, slack=0)
     watch.begin()
     watch.mark(1)  # point 2 is never reached
     assert watch.end({0: 1}) == set()
@@ -92,6 +92,18 @@ def test_kept_bytes_that_raise_the_peak_move_again_for_good():
     assert watch.refused == {0}
     # Room again (a reset of the peak statistics): layer 0 is not chosen again.
     assert _run(watch, reads, [10, 20, 30, 40, 100], {0: 30}) == set()
+
+
+def test_the_allocator_slack_is_left_as_margin():
+    reads = _Reads()
+    watch = PeakWatch(reads, [Window(0, 0, 3)], 5, slack=10)
+    assert _run(watch, reads, [10, 20, 30, 40, 100], {0: 55}) == set()  # room 60 < 55 + 10
+    assert _run(watch, reads, [10, 20, 30, 40, 100], {0: 50}) == {0}  # room 60 = 50 + 10
+    # Peaks reset, the same step again, its peak in the window 5 over: within the slack.
+    assert _run(watch, reads, [10, 20, 105, 40, 100], {0: 50}) == {0}
+    # 11 over: raised.
+    assert _run(watch, reads, [10, 20, 111, 40, 100], {0: 50}) == set()
+    assert watch.refused == {0}
 
 
 def test_bad_windows_are_refused():

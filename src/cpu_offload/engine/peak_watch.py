@@ -26,8 +26,10 @@ The running maximum belongs to the caller and is never reset here. When an earli
 peaked higher, every ``r[t]`` equals ``P`` and nothing is kept: the choice is made in an
 iteration that sets a new peak (the first ones of a process, or any iteration after the
 caller resets the peak statistics, as benchmarks do). If a later iteration's peak rises
-inside the window of a layer that keeps its bases, that layer moves them again from the
-next iteration on, and is not chosen again.
+inside the window of a layer that keeps its bases, above the peak it was chosen under,
+that layer moves them again from the next iteration on, and is not chosen again.
+Allocated bytes count whole allocator blocks, so both tests leave a margin for rounding
+(``ALLOCATOR_SLACK``).
 """
 
 from __future__ import annotations
@@ -35,7 +37,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["PeakWatch", "Window"]
+__all__ = ["ALLOCATOR_SLACK", "PeakWatch", "Window"]
+
+#: Allocated bytes count whole allocator blocks: a cached block up to 1 MiB larger than
+#: asked for is handed out whole, and keeping tensors changes which blocks later
+#: allocations get. Peaks that differ by less than this are not told apart.
+ALLOCATOR_SLACK = 2 << 20
 
 
 @dataclass(frozen=True)
@@ -67,20 +74,26 @@ class PeakWatch:
         read_peak: The allocator's running peak of allocated bytes.
         windows: The offloaded layers' windows.
         points: The number of schedule points in one iteration.
+        slack: Bytes of the allocator's rounding: room must exceed the kept bytes by as
+            much, and a peak must rise by more to count as raised by them.
 
     Raises:
         ValueError: If ``windows`` is empty or one ends at or after ``points``.
 
     Example:
         >>> peaks = iter([10, 40, 60, 100])  # at begin, at points 1 and 2, at the end
-        >>> watch = PeakWatch(lambda: next(peaks), [Window(0, 0, 2)], points=3)
+        >>> watch = PeakWatch(lambda: next(peaks), [Window(0, 0, 2)], points=3, slack=0)
         >>> watch.begin(); watch.mark(1); watch.mark(2)
         >>> sorted(watch.end({0: 30}))  # the peak fell after the window: room of 60, 40
         [0]
     """
 
     def __init__(
-        self, read_peak: Callable[[], int], windows: Sequence[Window], points: int
+        self,
+        read_peak: Callable[[], int],
+        windows: Sequence[Window],
+        points: int,
+        slack: int = ALLOCATOR_SLACK,
     ) -> None:
         if not windows:
             raise ValueError("windows is empty: a watch needs at least one offloaded layer")
@@ -102,6 +115,8 @@ class PeakWatch:
         self.kept: set[int] = set()
         #: Layers whose kept bases raised the peak once: they move them for good.
         self.refused: set[int] = set()
+        self.slack = slack
+        self._chosen_peak = 0  # the peak of the iterations the kept layers were chosen in
 
     def begin(self) -> None:
         """Start watching an iteration (before its first point)."""
@@ -129,7 +144,8 @@ class PeakWatch:
         if start is None or any(m is None for m, w in zip(marks, self._wanted, strict=True) if w):
             return self.kept
         peak = self._read()
-        if peak > start:
+        if self.kept and peak > start and peak > self._chosen_peak + self.slack:
+            # A new peak, above the one the choice was made under: where did it fall?
             at = next((p for p, m in enumerate(marks) if m is not None and m >= peak), None)
             harmed = {
                 layer
@@ -140,6 +156,7 @@ class PeakWatch:
                 self.kept -= harmed
                 self.refused |= harmed
                 return self.kept
+        need = self.slack
         used = [0] * len(marks)
         for layer in sorted(candidate_bytes):
             nbytes = candidate_bytes[layer]
@@ -149,8 +166,9 @@ class PeakWatch:
             if window is None:
                 continue
             span = range(window.start + 1, window.end + 1)
-            if all(peak - marks[p] - used[p] >= nbytes for p in span):  # type: ignore[operator]
+            if all(peak - marks[p] - used[p] >= nbytes + need for p in span):  # type: ignore[operator]
                 for p in span:
                     used[p] += nbytes
                 self.kept.add(layer)
+                self._chosen_peak = max(self._chosen_peak, peak)
         return self.kept

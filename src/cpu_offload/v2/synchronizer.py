@@ -386,6 +386,10 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
     def _choose_kept_bytes(self) -> None:
         # At the end of a backward, before the caller's next step resets anything: the
         # iteration's points were read; choose again which layers keep their view bases.
+        if self.retain_pinned_cpu_buffers or self.transport.capturing():
+            # Fixed host buffers (and a captured graph's copies) need the same saved
+            # blocks every iteration: what is moved may not change.
+            return
         offloaded = [w.layer for w in self._windows]
         candidates = {i: self.layers[i].view_base_bytes for i in offloaded}
         if self.peak_watch is None:
