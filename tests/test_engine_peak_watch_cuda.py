@@ -49,6 +49,8 @@ class _Run:
             True, K, N, transport=transport, min_tensor_size_to_offload=1024
         )
         handles = [] if extra is None else extra(layers)
+        # From an empty cache, equal steps get equal blocks: runs compare block for block.
+        torch.cuda.empty_cache()
         self.results: list[StepResult] = []
         self.moved: list[int] = []
         #: Peaks of the bytes tensors asked for, without the allocator's rounding.
@@ -68,14 +70,15 @@ class _Run:
 
 
 def _assert_no_higher(watched: _Run, blind: _Run) -> None:
+    # Step 0 runs the same in both (nothing is watched yet): what its allocated peaks
+    # differ by is the rounding of whole allocator blocks, which the cache's history sets.
+    rounding = abs(watched.results[0].peak_bytes - blind.results[0].peak_bytes)
     for i in range(STEPS):
-        # What tensors hold is never more; whole allocator blocks differ by rounding only.
+        # What tensors ask for is never more; the blocks they get, within the rounding.
         assert watched.requested[i] <= blind.requested[i], (i, watched.requested, blind.requested)
-        assert watched.results[i].peak_bytes <= blind.results[i].peak_bytes + ALLOCATOR_SLACK, (
-            i,
-            watched.results[i].peak_bytes,
-            blind.results[i].peak_bytes,
-        )
+        assert watched.results[i].peak_bytes <= blind.results[i].peak_bytes + max(
+            rounding, ALLOCATOR_SLACK
+        ), (i, watched.results[i].peak_bytes, blind.results[i].peak_bytes, rounding)
 
 
 def _allocate(nbytes: int) -> None:

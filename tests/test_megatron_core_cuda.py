@@ -13,6 +13,7 @@ works. On the GPU machine (the wheel needs only torch, numpy and packaging there
 from __future__ import annotations
 
 import os
+import socket
 
 import pytest
 import torch
@@ -31,8 +32,12 @@ def parallel_state():
 
     started = False
     if not torch.distributed.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29531")
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        # A free port, not a fixed one: with pytest-xdist, two workers may each run
+        # tests of this module at once.
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
         torch.distributed.init_process_group("nccl", rank=0, world_size=1)
         started = True
     ps.initialize_model_parallel(1, 1)
