@@ -84,10 +84,10 @@ def test_a_retained_buffer_is_written_after_the_last_iterations_reload():
     reloads = [e for e in transport.log if e[0] == "reload"]
     assert [o[2] for o in offloads[:2]] == [None, None]
     # Iteration i's offload into each retained buffer waits for iteration i-1's reload
-    # of that same buffer (reloads run last saved first).
+    # of that same buffer.
     for it in (1, 2):
         for j in range(2):
-            offload, reload = offloads[2 * it + j], reloads[2 * (it - 1) + 1 - j]
+            offload, reload = offloads[2 * it + j], reloads[2 * (it - 1) + j]
             assert offload[2] == reload and offload[1] == reload[2]
 
 

@@ -12,7 +12,7 @@ import pytest
 from helpers import assert_bit_equal, step
 
 from cpu_offload import HostTransport, v2
-from cpu_offload.engine.peak_watch import ALLOCATOR_SLACK, PeakWatch, Window
+from cpu_offload.engine.peak_watch import PeakWatch, Window
 from cpu_offload.models import ModelSpec, build_layers
 
 # -- the watch alone -----------------------------------------------------------------------
@@ -38,80 +38,71 @@ def _run(
     reads: _Reads,
     interval_peaks: list[int],
     candidates: dict[int, int],
-    kept: dict[int, int] | None = None,
     before: int = 0,
     after: int = 0,
-) -> dict[int, int]:
+) -> set[int]:
     """One iteration whose interval ``t`` (ending at point ``t``) peaks at
     ``interval_peaks[t]``; ``before`` is the running peak when it begins, ``after`` the
-    peak between its last point and the next iteration. Returns the budgets."""
+    peak between its last point and the next iteration."""
     reads.value = before
     watch.begin()
     for t, peak in enumerate(interval_peaks):
         reads.value = max(reads.value, peak)
         watch.mark(t)  # a point the watch does not want is not read
     reads.value = max(reads.value, after)
-    return dict(watch.end(candidates, kept or dict.fromkeys(candidates, 0)))
+    return set(watch.end(candidates))
 
 
-def test_peak_after_every_window_gives_the_room_to_the_last_offloaded_first():
+def test_peak_after_every_window_keeps_what_fits():
     # Windows (0, 3] and (1, 4]; the step peaks at 100 in interval 5, after both.
     watch, reads = _watch([Window(0, 0, 3), Window(1, 1, 4)], 6)
-    budgets = _run(watch, reads, [10, 50, 60, 70, 75, 100], {0: 20, 1: 20})
-    # Room: 50, 40, 30, 25 in intervals 1..4. Layer 1 takes 20 of 2..4; layer 0 finds
-    # 50, 20 and 10 left in 1..3: it may keep 10.
-    assert budgets == {0: 10, 1: 20}
-    assert watch.kept == {0, 1}
+    kept = _run(watch, reads, [10, 50, 60, 70, 75, 100], {0: 20, 1: 20})
+    # Room: 50, 40, 30, 25 in intervals 1..4; layer 0 takes 20 of 1..3, layer 1 needs 20
+    # in 2..4 where 20, 10 and 25 are left: it does not fit.
+    assert kept == {0}
 
 
 def test_peak_inside_a_window_keeps_nothing_there():
     watch, reads = _watch([Window(0, 0, 3)], 5)
-    assert _run(watch, reads, [10, 20, 100, 30, 40], {0: 1}) == {0: 0}
+    assert _run(watch, reads, [10, 20, 100, 30, 40], {0: 1}) == set()
 
 
 def test_an_earlier_higher_peak_teaches_nothing():
     watch, reads = _watch([Window(0, 0, 3)], 5)
-    assert _run(watch, reads, [10, 20, 30, 40, 50], {0: 1}, before=500) == {0: 0}
+    assert _run(watch, reads, [10, 20, 30, 40, 50], {0: 1}, before=500) == set()
 
 
 def test_peak_between_iterations_counts_as_after_the_windows():
     watch, reads = _watch([Window(0, 0, 3)], 5)
-    assert _run(watch, reads, [10, 20, 30, 40, 50], {0: 30}, after=80) == {0: 30}
-
-
-def test_a_budget_grows_from_what_was_kept():
-    watch, reads = _watch([Window(0, 0, 3)], 5)
-    assert _run(watch, reads, [10, 20, 30, 40, 100], {0: 200}) == {0: 60}
-    # 50 of the 60 were kept (whole tensors), and interval 2 peaked 50 higher: the marks
-    # show what was kept, and 20 more fit.
-    assert _run(watch, reads, [10, 20, 80, 40, 100], {0: 200}, {0: 50}) == {0: 70}
+    assert _run(watch, reads, [10, 20, 30, 40, 50], {0: 30}, after=80) == {0}
 
 
 def test_a_cut_short_iteration_changes_nothing():
     watch = PeakWatch(iter([0, 10, 100]).__next__, [Window(0, 0, 2)], 4, slack=0)
     watch.begin()
     watch.mark(1)  # point 2 is never reached
-    assert watch.end({0: 1}, {0: 0}) == {0: 0}
+    assert watch.end({0: 1}) == set()
 
 
 def test_kept_bytes_that_raise_the_peak_move_again_for_good():
     watch, reads = _watch([Window(0, 0, 3)], 5)
-    assert _run(watch, reads, [10, 20, 30, 40, 100], {0: 30}) == {0: 30}
-    # Next iteration the peak rises inside the window: layer 0 moves everything again.
-    assert _run(watch, reads, [10, 20, 130, 40, 100], {0: 30}, {0: 30}, before=100) == {0: 0}
+    assert _run(watch, reads, [10, 20, 30, 40, 100], {0: 30}) == {0}
+    # Next iteration the peak rises inside the window: layer 0 moves its bases again.
+    assert _run(watch, reads, [10, 20, 130, 40, 100], {0: 30}, before=100) == set()
     assert watch.refused == {0}
-    # Room again (a reset of the peak statistics): layer 0 keeps nothing again.
-    assert _run(watch, reads, [10, 20, 30, 40, 100], {0: 30}) == {0: 0}
+    # Room again (a reset of the peak statistics): layer 0 is not chosen again.
+    assert _run(watch, reads, [10, 20, 30, 40, 100], {0: 30}) == set()
 
 
 def test_the_allocator_slack_is_left_as_margin():
     reads = _Reads()
     watch = PeakWatch(reads, [Window(0, 0, 3)], 5, slack=10)
-    assert _run(watch, reads, [10, 20, 30, 40, 100], {0: 100}) == {0: 50}  # room 60 - 10
+    assert _run(watch, reads, [10, 20, 30, 40, 100], {0: 55}) == set()  # room 60 < 55 + 10
+    assert _run(watch, reads, [10, 20, 30, 40, 100], {0: 50}) == {0}  # room 60 = 50 + 10
     # Peaks reset, the same step again, its peak in the window 5 over: within the slack.
-    assert _run(watch, reads, [10, 20, 105, 40, 100], {0: 100}, {0: 50}) == {0: 50}
+    assert _run(watch, reads, [10, 20, 105, 40, 100], {0: 50}) == {0}
     # 11 over: raised.
-    assert _run(watch, reads, [10, 20, 111, 40, 100], {0: 100}, {0: 50}) == {0: 0}
+    assert _run(watch, reads, [10, 20, 111, 40, 100], {0: 50}) == set()
     assert watch.refused == {0}
 
 
@@ -126,7 +117,7 @@ def test_bad_windows_are_refused():
 
 @pytest.mark.parametrize("seed", range(200))
 def test_what_is_kept_never_raises_the_peak(seed):
-    """On random profiles, keeping the budgets leaves every interval within the peak."""
+    """On random profiles, keeping the chosen bytes leaves every interval within the peak."""
     rng = random.Random(seed)
     points = rng.randint(3, 12)
     windows = []
@@ -137,12 +128,12 @@ def test_what_is_kept_never_raises_the_peak(seed):
     peaks = [rng.randint(0, 100) for _ in range(points)]
     after = rng.choice([0, rng.randint(0, 150)])
     watch, reads = _watch(windows, points)
-    budgets = _run(watch, reads, peaks, candidates, after=after)
+    kept = _run(watch, reads, peaks, candidates, after=after)
     step_peak = max(*peaks, after)
-    for w in windows:
-        assert 0 <= budgets[w.layer] <= candidates[w.layer]
     for t in range(points):
-        extra = sum(budgets[w.layer] for w in windows if w.start < t <= w.end)
+        extra = sum(
+            candidates[w.layer] for w in windows if w.layer in kept and w.start < t <= w.end
+        )
         assert peaks[t] + extra <= step_peak
 
 
@@ -206,7 +197,7 @@ def _in_backward_of(layer, action):
     return layer.register_forward_hook(hook)
 
 
-def test_room_after_every_window_keeps_bases_then_the_rest():
+def test_bases_stay_when_the_peak_falls_after_every_window():
     layers, make, ref = _gpt()
     transport = _PeakTransport()
     ctx, sync = _context(transport)
@@ -222,17 +213,13 @@ def test_room_after_every_window_keeps_bases_then_the_rest():
     synchronizer = ctx.offload_synchronizer
     bases = sum(synchronizer.layers[i].view_base_bytes for i in range(K))
     assert bases > 0
-    # Made after iteration 0, the watch reads iteration 1: room for everything. Iteration
-    # 2 keeps the view bases (the sizes of the other tensors are learnt there), 3 the rest.
-    assert moved[0] == moved[1] == moved[2] + bases
-    assert moved[3] == 0
+    # Made after iteration 0, the watch reads iteration 1 and chooses at its end.
+    assert moved[0] == moved[1] == moved[2] + bases == moved[3] + bases
     assert synchronizer.peak_watch.kept == set(range(K))
-    for i in range(K):
-        state = synchronizer.layers[i]
-        assert state.kept_bytes == state.candidate_bytes == state.keep_bytes > 0
+    assert all(synchronizer.layers[i].keep_view_bases for i in range(K))
 
 
-def test_bytes_move_when_the_peak_falls_inside_the_windows():
+def test_bases_move_when_the_peak_falls_inside_the_windows():
     layers, make, ref = _gpt()
     transport = _PeakTransport()
     ctx, sync = _context(transport)
@@ -252,7 +239,7 @@ def test_bytes_move_when_the_peak_falls_inside_the_windows():
     assert ctx.offload_synchronizer.peak_watch.kept == set()
 
 
-def test_kept_bytes_that_raise_the_peak_move_again():
+def test_bases_that_raise_the_peak_move_again():
     layers, make, ref = _gpt()
     transport = _PeakTransport()
     ctx, sync = _context(transport)
@@ -271,9 +258,9 @@ def test_kept_bytes_that_raise_the_peak_move_again():
         after.remove()
         during.remove()
     watch = ctx.offload_synchronizer.peak_watch
-    assert moved[2] < moved[0]  # the bases kept in iteration 2
-    assert moved[3] == 0  # everything in iteration 3, whose peak rose inside the windows
-    assert moved[4] == moved[0]  # so iteration 4 moves everything again
+    assert moved[2] < moved[0]  # kept in iteration 2
+    assert moved[3] == moved[2]  # and in iteration 3, whose peak rose inside the windows
+    assert moved[4] == moved[0]  # so iteration 4 moves them again
     assert watch.kept == set() and watch.refused == set(range(K))
 
 
@@ -285,7 +272,7 @@ def test_no_watch_without_a_peak_reading():
     assert ctx.offload_synchronizer.peak_watch is None
 
 
-def test_models_without_view_bases_keep_their_last_tensors():
+def test_no_watch_without_view_bases():
     spec = ModelSpec(kind="mha", hidden=64, heads=4, seq=64, batch=2, layers=N)
     layers = build_layers(spec, "cpu")
 
@@ -293,36 +280,6 @@ def test_models_without_view_bases_keep_their_last_tensors():
         return spec.make_input("cpu", seed=1)
 
     ref = step(layers, make)
-    transport = _PeakTransport()
-    ctx, sync = _context(transport)
-
-    def raise_peak():
-        # Room for part of one layer's tensors only, beyond the allocator's rounding.
-        transport.peak += ALLOCATOR_SLACK + 200_000
-
-    handle = _in_backward_of(layers[0], raise_peak)
-    try:
-        moved = _moved_per_step(layers, make, ref, ctx, sync, 4)
-    finally:
-        handle.remove()
-    synchronizer = ctx.offload_synchronizer
-    states = [synchronizer.layers[i] for i in range(K)]
-    assert all(s.view_base_bytes == 0 for s in states)
-    assert moved[0] == moved[1] == moved[2]  # budgets set after 1, sizes learnt in 2
-    assert 0 < moved[3] < moved[0]
-    assert moved[0] - moved[3] == sum(s.kept_bytes for s in states)
-    assert all(s.kept_bytes <= s.keep_bytes for s in states)
-    # The last offloaded layer is served first; the other found no room left.
-    assert 0 < states[1].kept_bytes <= 200_000 and states[0].kept_bytes == 0
-
-
-def test_no_watch_when_nothing_is_moved():
-    layers, make, ref = _gpt()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # it offloaded nothing: said once
-        ctx, sync = v2.get_cpu_offload_context(
-            True, K, N, transport=_PeakTransport(), min_tensor_size_to_offload=1 << 40
-        )
-        moved = _moved_per_step(layers, make, ref, ctx, sync, 3)
-    assert moved == [0, 0, 0]
+    ctx, sync = _context(_PeakTransport())
+    _moved_per_step(layers, make, ref, ctx, sync, 3)
     assert ctx.offload_synchronizer.peak_watch is None

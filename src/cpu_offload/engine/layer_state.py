@@ -81,13 +81,12 @@ class OffloadableLayerState:
         self._retained_sizes: list[int] = []
         self._captured: list[torch.Tensor] = []  # host buffers a captured graph uses
         self._seq = 0
-        self._keep = _KeepRule()
-        #: What the last offload saw (NOTE [Bytes that pay] in ``peak_watch.py``): bytes
-        #: it could have moved, bytes it left on the device, and bytes of bases copied
-        #: (or left) only for the sake of views.
-        self.candidate_bytes = 0
-        self.kept_bytes = 0
+        #: Leave strided views of a larger base to autograd, as without offloading, rather
+        #: than copy their base (NOTE [Bytes that pay] in ``peak_watch.py``).
+        self.keep_view_bases = False
+        #: Bytes of such bases in the last offload, kept or moved (0 before the first).
         self.view_base_bytes = 0
+        self._kept_bases: dict[int, int] = {}  # base address -> bytes, this iteration
 
     # -- bookkeeping -----------------------------------------------------------------
 
@@ -123,10 +122,12 @@ class OffloadableLayerState:
             if _log.debug_enabled():
                 _log.kept(self.name, tensor, _log.policy_reason(self.policy, tensor))
             return tensor
-        if self._keep.takes(tensor):
+        base = tensor._base
+        if self.keep_view_bases and base is not None and not is_dense(tensor):
             # Autograd holds it, and frees it, as it would without offloading.
+            self._kept_bases[base.data_ptr()] = base.numel() * base.element_size()
             if _log.debug_enabled():
-                _log.kept(self.name, tensor, "kept on the device: copying it lowers no peak")
+                _log.kept(self.name, tensor, "a view whose base stays: copying it lowers no peak")
             return tensor
         self._seq += 1
         entries = self._entries
@@ -160,14 +161,14 @@ class OffloadableLayerState:
         self._expect("start_offload", LayerPhase.NOT_OFFLOADED)
         if not self._entries:  # nothing saved: nothing to group, buffer or copy
             self._plan = GroupPlan()
-            self._count(GroupPlan())
+            self.view_base_bytes = self._take_kept_bases()
             self.phase = LayerPhase.OFFLOAD_STARTED
             return
         for entry in self._entries:
             # Modified in place since it was saved: backward must fail as without offloading.
             entry.keep = entry.tensor._version != entry.version
         plan = self.processor.process(self._entries)
-        self._count(plan)
+        self.view_base_bytes = plan.view_base_bytes + self._take_kept_bases()
         buffers = self._host_buffers(plan.units)
         # Known before any copy is queued, so that a failure part-way through is cleaned
         # up by release_all_memory (which waits for the copies already queued).
@@ -186,22 +187,10 @@ class OffloadableLayerState:
         if _log.debug_enabled():
             self._log_offload(plan)
 
-    @property
-    def keep_bytes(self) -> int:
-        """Bytes this layer leaves on the device rather than move, from its next forward
-        on (NOTE [Bytes that pay] in ``peak_watch.py``): first bases of strided views, then
-        the tensors it saves last. 0 (the default) moves every candidate."""
-        return self._keep.budget
-
-    @keep_bytes.setter
-    def keep_bytes(self, budget: int) -> None:
-        self._keep.plan(budget, self.view_base_bytes)
-
-    def _count(self, plan: GroupPlan) -> None:
-        moved = sum(u.nbytes for u in plan.units)
-        self.kept_bytes = self._keep.finish()
-        self.candidate_bytes = moved + self.kept_bytes
-        self.view_base_bytes = plan.view_base_bytes + self._keep.view_bytes
+    def _take_kept_bases(self) -> int:
+        nbytes = sum(self._kept_bases.values())
+        self._kept_bases.clear()
+        return nbytes
 
     def _log_offload(self, plan: GroupPlan) -> None:
         for unit in plan.units:
@@ -288,10 +277,8 @@ class OffloadableLayerState:
         if _log.debug_enabled():
             _log.moved(self.name, "reload", sum(u.nbytes for u in units), len(units))
         buffers = device_buffers or []
-        # Last saved, first needed: backward may start on a layer's first units back.
-        order = range(len(units) - 1, -1, -1)
         self._reload_units(
-            [units[i] for i in order], [buffers[i] if i < len(buffers) else None for i in order]
+            units, [buffers[i] if i < len(buffers) else None for i in range(len(units))]
         )
         self.phase = LayerPhase.RELOAD_STARTED
 
@@ -421,7 +408,7 @@ class OffloadableLayerState:
                 unit.host = unit.host_view = unit.tensor = unit.reloaded = None
         self._plan = None
         self._entries = []
-        self._keep.finish()
+        self._kept_bases.clear()
         self.phase = LayerPhase.NOT_OFFLOADED
 
     # -- reporting -------------------------------------------------------------------
@@ -435,70 +422,3 @@ class OffloadableLayerState:
         if self._plan is None or self.phase is LayerPhase.NOT_OFFLOADED:
             return 0.0
         return sum(u.nbytes for u in self._plan.units) / _MIB
-
-
-class _KeepRule:
-    """Which pushed tensors a layer leaves on the device, within its budget.
-
-    Bases of strided views first (all or none), then the tensors pushed last: those
-    whose bytes from the end of the previous iteration's pushes fit in what is left.
-    """
-
-    def __init__(self) -> None:
-        self.budget = 0
-        self._views = False  # keep views of larger bases
-        self._from = 0  # keep once this many bytes (views aside) were pushed before
-        self._cap = 0  # at most this many bytes of such tensors
-        self._sizes: list[int] = []  # this iteration's pushes, views aside
-        self._last: list[int] = []  # the previous iteration's
-        self._bases: dict[int, int] = {}  # kept bases: address -> bytes
-        self._seen: dict[int, bool] = {}  # address -> kept, this iteration
-        self._pushed = 0
-        self._taken = 0
-        self.view_bytes = 0  # bases the last iteration kept for views
-
-    def plan(self, budget: int, view_base_bytes: int) -> None:
-        self.budget = budget
-        self._views = 0 < view_base_bytes <= budget
-        rest = budget - (view_base_bytes if self._views else 0)
-        tail = 0
-        for nbytes in reversed(self._last):
-            if tail + nbytes > rest:
-                break
-            tail += nbytes
-        self._cap = tail
-        self._from = sum(self._last) - tail
-
-    def takes(self, tensor: torch.Tensor) -> bool:
-        if not self.budget:
-            return False
-        base = tensor._base
-        if base is not None and not is_dense(tensor):
-            if self._views:
-                self._bases[base.data_ptr()] = base.numel() * base.element_size()
-            return self._views
-        # A dense view keeps its whole base alive: the base is what is kept or moved, and
-        # the same memory saved twice goes one way, counted once.
-        root = tensor if base is None else base
-        key = root.data_ptr()
-        seen = self._seen.get(key)
-        if seen is not None:
-            return seen
-        nbytes = root.numel() * root.element_size()
-        self._sizes.append(nbytes)
-        before, self._pushed = self._pushed, self._pushed + nbytes
-        take = before >= self._from and self._taken + nbytes <= self._cap
-        if take:
-            self._taken += nbytes
-        self._seen[key] = take
-        return take
-
-    def finish(self) -> int:
-        """End the iteration's pushes; returns the bytes kept."""
-        self.view_bytes = sum(self._bases.values())
-        kept = self.view_bytes + self._taken
-        if self._sizes:
-            self._last = self._sizes
-        self._sizes, self._bases, self._seen = [], {}, {}
-        self._pushed = self._taken = 0
-        return kept

@@ -7,12 +7,11 @@ are off the device from the schedule point where its memory is released to the p
 where its reload begins: the layer's *window*. Keeping ``b`` of its bytes on the device
 raises the memory of every moment inside the window by ``b``, and of no other moment.
 
-So each offloaded layer gets a *budget*: bytes it leaves on the device (to autograd, as
-without offloading) rather than move, as much as its window has room for. A layer spends
-it first on bases copied only for the sake of views (q, k and v sliced from one
-projection: the views cannot be copied and rebuilt on their own), then on the tensors it
-saves last, which its backward needs first and whose copies would end its offload last
-(``OffloadableLayerState.keep_bytes``).
+Some bytes are moved only for the sake of others: a base that strided views of it (q, k
+and v sliced from one projection) were saved from is copied whole, because the views
+cannot be copied and rebuilt on their own. Those bases are the candidates here: a layer
+keeps them on the device (``OffloadableLayerState.keep_view_bases``) when its window can
+hold them without raising the step's peak, and moves them otherwise.
 
 Where the peak falls is read, not modelled: the allocator keeps a running maximum of
 allocated memory. Read at each schedule point ``t``, it bounds the peak of the interval
@@ -20,16 +19,15 @@ that ends there: ``r[t] >= peak of (t - 1, t]``. With ``P`` the running maximum 
 end of the iteration's backward, ``P - r[t]`` is a lower bound of the room left in
 interval ``t``: exact up to the interval where the running maximum reached ``P``, and
 zero after it. (What the caller allocates after the backward, an optimizer's state say,
-could only add room: leaving it out errs on the safe side.) A layer's budget grows by
-the room left in every interval of its window, after the layers served before it (the
-last offloaded first: the copies they keep would end the offloads last).
+could only add room: leaving it out errs on the safe side.) A layer keeps its bases when
+they fit in the room of every interval of its window, after the layers chosen before it.
 
 The running maximum belongs to the caller and is never reset here. When an earlier step
 peaked higher, every ``r[t]`` equals ``P`` and nothing is kept: the choice is made in an
 iteration that sets a new peak (the first ones of a process, or any iteration after the
 caller resets the peak statistics, as benchmarks do). If a later iteration's peak rises
-inside the window of a layer that keeps bytes, above the peak they were chosen under,
-that layer moves everything again from the next iteration on, and keeps nothing again.
+inside the window of a layer that keeps its bases, above the peak it was chosen under,
+that layer moves them again from the next iteration on, and is not chosen again.
 Allocated bytes count whole allocator blocks, so both tests leave a margin for rounding
 (``ALLOCATOR_SLACK``).
 """
@@ -69,15 +67,15 @@ class Window:
 
 
 class PeakWatch:
-    """Reads the running peak at an iteration's schedule points and sets each offloaded
-    layer's budget of bytes kept on the device (NOTE [Bytes that pay]).
+    """Reads the running peak at an iteration's schedule points and chooses the layers
+    that keep their view bases on the device (NOTE [Bytes that pay]).
 
     Args:
         read_peak: The allocator's running peak of allocated bytes.
         windows: The offloaded layers' windows.
         points: The number of schedule points in one iteration.
-        slack: Bytes of the allocator's rounding: room must exceed a budget's growth by
-            as much, and a peak must rise by more to count as raised by kept bytes.
+        slack: Bytes of the allocator's rounding: room must exceed the kept bytes by as
+            much, and a peak must rise by more to count as raised by them.
 
     Raises:
         ValueError: If ``windows`` is empty or one ends at or after ``points``.
@@ -86,8 +84,8 @@ class PeakWatch:
         >>> peaks = iter([10, 40, 60, 100])  # at begin, at points 1 and 2, at the end
         >>> watch = PeakWatch(lambda: next(peaks), [Window(0, 0, 2)], points=3, slack=0)
         >>> watch.begin(); watch.mark(1); watch.mark(2)
-        >>> watch.end(candidates={0: 100}, kept={0: 0})  # the peak fell after the window
-        {0: 40}
+        >>> sorted(watch.end({0: 30}))  # the peak fell after the window: room of 60, 40
+        [0]
     """
 
     def __init__(
@@ -113,17 +111,12 @@ class PeakWatch:
         self._wanted = [first < p <= last for p in range(points)]
         self._marks: list[int | None] = [None] * points
         self._start: int | None = None
-        #: Per layer, the bytes it may keep on the device.
-        self.budgets: dict[int, int] = {w.layer: 0 for w in windows}
-        #: Layers whose kept bytes raised the peak once: they move everything for good.
+        #: Layers that keep their view bases on the device.
+        self.kept: set[int] = set()
+        #: Layers whose kept bases raised the peak once: they move them for good.
         self.refused: set[int] = set()
         self.slack = slack
-        self._chosen_peak = 0  # the peak of the iterations the budgets grew in
-
-    @property
-    def kept(self) -> set[int]:
-        """The layers with a budget."""
-        return {layer for layer, budget in self.budgets.items() if budget > 0}
+        self._chosen_peak = 0  # the peak of the iterations the kept layers were chosen in
 
     def begin(self) -> None:
         """Start watching an iteration (before its first point)."""
@@ -135,50 +128,47 @@ class PeakWatch:
         if self._start is not None and self._wanted[position]:
             self._marks[position] = self._read()
 
-    def end(self, candidates: Mapping[int, int], kept: Mapping[int, int]) -> dict[int, int]:
-        """End the iteration (at the end of its backward) and set the budgets again.
+    def end(self, candidate_bytes: Mapping[int, int]) -> set[int]:
+        """End the iteration (at the end of its backward) and choose again.
 
         Args:
-            candidates: Per offloaded layer, the bytes it could have moved in this
-                iteration (moved or kept).
-            kept: Per offloaded layer, the bytes it kept on the device in this iteration.
+            candidate_bytes: Per offloaded layer, the bytes of its view bases in this
+                iteration, kept or moved.
 
         Returns:
-            The budgets from the next iteration on (also in :attr:`budgets`). An
+            The layers that keep their view bases from the next iteration on. An
             iteration cut short (a point never read) changes nothing.
         """
         start, self._start = self._start, None
         marks = self._marks
         if start is None or any(m is None for m, w in zip(marks, self._wanted, strict=True) if w):
-            return self.budgets
+            return self.kept
         peak = self._read()
-        keeping = self.kept
-        if keeping and peak > start and peak > self._chosen_peak + self.slack:
-            # A new peak, above the one the budgets grew under: where did it fall?
+        if self.kept and peak > start and peak > self._chosen_peak + self.slack:
+            # A new peak, above the one the choice was made under: where did it fall?
             at = next((p for p, m in enumerate(marks) if m is not None and m >= peak), None)
             harmed = {
                 layer
-                for layer in keeping
+                for layer in self.kept
                 if at is not None and self.windows[layer].start < at <= self.windows[layer].end
             }
             if harmed:
-                for layer in harmed:
-                    self.budgets[layer] = 0
+                self.kept -= harmed
                 self.refused |= harmed
-                return self.budgets
+                return self.kept
+        need = self.slack
         used = [0] * len(marks)
-        for layer in sorted(self.windows, reverse=True):
-            if layer in self.refused:
+        for layer in sorted(candidate_bytes):
+            nbytes = candidate_bytes[layer]
+            if nbytes <= 0 or layer in self.kept or layer in self.refused:
                 continue
-            window = self.windows[layer]
+            window = self.windows.get(layer)
+            if window is None:
+                continue
             span = range(window.start + 1, window.end + 1)
-            room = min(peak - marks[p] - used[p] for p in span) - self.slack  # type: ignore[operator]
-            has = kept.get(layer, 0)
-            grow = max(0, min(room, candidates.get(layer, 0) - has))
-            # What it kept is measured in the marks already; what it may add must fit.
-            self.budgets[layer] = has + grow
-            if grow:
+            if all(peak - marks[p] - used[p] >= nbytes + need for p in span):  # type: ignore[operator]
                 for p in span:
-                    used[p] += grow
+                    used[p] += nbytes
+                self.kept.add(layer)
                 self._chosen_peak = max(self._chosen_peak, peak)
-        return self.budgets
+        return self.kept

@@ -371,7 +371,7 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
             for layer, (start, end) in sorted(spans.items())
             if start < end
         ]
-        #: Sets what each offloaded layer keeps on the device (NOTE [Bytes that pay]).
+        #: Made once a layer to offload has view bases to keep (NOTE [Bytes that pay]).
         self.peak_watch: PeakWatch | None = None
 
     def start_new_iteration(self) -> None:
@@ -385,30 +385,25 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
 
     def _choose_kept_bytes(self) -> None:
         # At the end of a backward, before the caller's next step resets anything: the
-        # iteration's points were read; set again what each layer leaves on the device.
+        # iteration's points were read; choose again which layers keep their view bases.
         if self.retain_pinned_cpu_buffers or self.transport.capturing():
             # Fixed host buffers (and a captured graph's copies) need the same saved
             # blocks every iteration: what is moved may not change.
             return
-        layers = [self.layers[w.layer] for w in self._windows]
+        offloaded = [w.layer for w in self._windows]
+        candidates = {i: self.layers[i].view_base_bytes for i in offloaded}
         if self.peak_watch is None:
-            # Made once a layer with a window moved something; it watches the next iteration.
-            if (
-                any(s.candidate_bytes for s in layers)
-                and self.transport.peak_allocated() is not None
-            ):
+            # Made once a layer with a window has view bases; it watches the next iteration.
+            if any(candidates.values()) and self.transport.peak_allocated() is not None:
                 self.peak_watch = PeakWatch(
                     self.transport.peak_allocated,  # type: ignore[arg-type]
                     self._windows,
                     2 * self.num_layers,
                 )
             return
-        budgets = self.peak_watch.end(
-            {w.layer: s.candidate_bytes for w, s in zip(self._windows, layers, strict=True)},
-            {w.layer: s.kept_bytes for w, s in zip(self._windows, layers, strict=True)},
-        )
-        for w, state in zip(self._windows, layers, strict=True):
-            state.keep_bytes = budgets[w.layer]
+        kept = self.peak_watch.end(candidates)
+        for i in offloaded:
+            self.layers[i].keep_view_bases = i in kept
 
     def _work_at(self, point: Point) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
         finish = tuple(self.schedule.finish_at.get(point, ()))
@@ -433,10 +428,7 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
         # than let the user believe memory was saved.
         if self._warned_nothing_offloaded or not self.schedule.offloaded:
             return
-        if any(
-            self.layers[i].has_tensors or self.layers[i].keep_bytes  # kept on purpose
-            for i in self.schedule.offloaded
-        ):
+        if any(self.layers[i].has_tensors for i in self.schedule.offloaded):
             return
         self._warned_nothing_offloaded = True
         offloaded = sorted(self.schedule.offloaded)
