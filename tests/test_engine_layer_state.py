@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -308,3 +310,72 @@ def test_wait_for_reloads_joins_a_stream_that_read_nothing():
     state.pop_tensor(i)
     assert transport.waits == [("graph-capture", event), ("main", event)]
     assert transport.shared == []  # read on the stream it was allocated on
+
+
+# -- view bases kept on the device (NOTE [Bytes that pay]) ----------------------------
+
+
+def _qkv_views() -> tuple[torch.Tensor, list[torch.Tensor]]:
+    qkv = torch.randn(2, 16, 3, 4, 8)
+    return qkv, list(qkv.permute(2, 0, 3, 1, 4).unbind(0))  # strided views, covering it
+
+
+def _kept_state(views, *, force_base: bool = False) -> tuple[OffloadableLayerState, list[int]]:
+    state = _state()
+    state.keep_view_bases = True
+    ids = [state.push_tensor(v) for v in views]
+    if force_base:
+        state.mark_ready(views, offload_base_tensor=True)
+    _to(state, "reload_started")
+    return state, ids
+
+
+def test_kept_view_bases_move_nothing_and_come_back_as_themselves():
+    qkv, views = _qkv_views()
+    state, ids = _kept_state(views)
+    assert state.transport.bytes_offloaded == 0 and state.view_base_bytes == qkv.nbytes
+    for i, v in zip(ids, views, strict=True):
+        got = state.pop_tensor(i)
+        assert torch.equal(got, v) and got.data_ptr() == v.data_ptr()  # the same memory
+
+
+def test_kept_view_bases_still_refuse_an_in_place_change():
+    qkv, views = _qkv_views()
+    state, ids = _kept_state(views)
+    with torch.no_grad():
+        qkv.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        state.pop_tensor(ids[0])
+
+
+def test_offload_base_tensor_true_moves_a_base_that_would_be_kept():
+    qkv, views = _qkv_views()
+    state, _ = _kept_state(views, force_base=True)
+    assert state.transport.bytes_offloaded == qkv.nbytes
+
+
+def test_a_base_saved_itself_moves_with_its_views():
+    qkv, views = _qkv_views()
+    state, _ = _kept_state([qkv, *views])
+    assert state.transport.bytes_offloaded == qkv.nbytes and state.view_base_bytes == 0
+
+
+def test_a_kept_base_goes_at_its_last_read():
+    qkv, views = _qkv_views()
+    gone = weakref.ref(qkv)
+    state, ids = _kept_state(views)
+    del qkv, views
+    got = [state.pop_tensor(i) for i in ids]
+    assert gone() is not None  # autograd holds what it read
+    del got
+    assert gone() is None  # and nothing else: the memory goes with it
+
+
+def test_a_kept_base_read_again_while_held_or_after():
+    _, views = _qkv_views()
+    state, ids = _kept_state(views)
+    got = [state.pop_tensor(i) for i in ids]
+    assert torch.equal(state.pop_tensor(ids[0]), views[0])  # what was read is still held
+    del got, views
+    with pytest.raises(RuntimeError, match="read again after every tensor"):
+        state.pop_tensor(ids[1])

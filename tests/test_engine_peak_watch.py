@@ -106,6 +106,42 @@ def test_the_allocator_slack_is_left_as_margin():
     assert watch.refused == {0}
 
 
+def test_a_peak_before_the_first_window_is_blamed_on_none():
+    watch, reads = _watch([Window(0, 2, 4)], 6)
+    assert _run(watch, reads, [10, 20, 30, 40, 50, 100], {0: 5}) == {0}
+    # Peaks reset; the step now peaks in interval 1, before the window: nothing to undo.
+    assert _run(watch, reads, [10, 200, 30, 40, 50, 60], {0: 5}) == {0}
+    assert watch.refused == set()
+
+
+def test_a_peak_in_the_last_interval_of_a_window_is_blamed_on_it():
+    watch, reads = _watch([Window(0, 0, 3)], 5)
+    assert _run(watch, reads, [10, 20, 30, 40, 100], {0: 5}) == {0}
+    assert _run(watch, reads, [10, 20, 30, 40, 200], {0: 5}) == {0}  # interval 4: after it
+    assert _run(watch, reads, [10, 20, 30, 300, 40], {0: 5}) == set()  # interval 3: in it
+
+
+def test_an_iteration_that_never_ends_its_backward_ends_the_keeping():
+    watch, reads = _watch([Window(0, 0, 3)], 5)
+    assert _run(watch, reads, [10, 20, 30, 40, 100], {0: 5}) == {0}
+    watch.begin()
+    watch.mark(1)  # out of memory in the next layer, say: the next iteration begins
+    watch.begin()
+    assert watch.kept == set() and watch.refused == {0}
+
+
+def test_a_missing_reading_leaves_the_iteration_unjudged():
+    watch, reads = _watch([Window(0, 0, 3)], 5)
+    assert _run(watch, reads, [10, 20, 30, 40, 100], {0: 5}) == {0}
+    reads.value = None  # an allocator that keeps no statistics
+    watch.begin()
+    for t in range(5):
+        watch.mark(t)
+    assert watch.end({0: 5}) == {0}
+    watch.begin()
+    assert watch.kept == {0}  # that iteration ended: nothing was cut short
+
+
 def test_bad_windows_are_refused():
     with pytest.raises(ValueError, match="start before it ends"):
         Window(0, 3, 3)
@@ -130,16 +166,24 @@ def test_what_is_kept_never_raises_the_peak(seed):
     watch, reads = _watch(windows, points)
     kept = _run(watch, reads, peaks, candidates, after=after)
     step_peak = max(*peaks, after)
+
+    def extra(t: int) -> int:
+        return sum(candidates[w.layer] for w in windows if w.layer in kept and w.start < t <= w.end)
+
     for t in range(points):
-        extra = sum(
-            candidates[w.layer] for w in windows if w.layer in kept and w.start < t <= w.end
-        )
-        assert peaks[t] + extra <= step_peak
+        assert peaks[t] + extra(t) <= step_peak
+    # And nothing more would fit under what the watch can know of each interval (the
+    # running peak at its end): each candidate left out could raise the peak somewhere.
+    running = [max(peaks[: t + 1]) for t in range(points)]
+    for w in windows:
+        if w.layer not in kept and candidates[w.layer] > 0:
+            span = range(w.start + 1, w.end + 1)
+            assert any(running[t] + extra(t) + candidates[w.layer] > step_peak for t in span)
 
 
 # -- V2's default schedule on the CPU stand-in ---------------------------------------------
 
-N, K = 4, 2  # windows: layer 0 from the forward of 2 to the backward of 1, layer 1 2..2
+N, K = 4, 2  # windows: layer 0 from the forward of 2 to the backward of 1, layer 1 3..2
 
 
 class _PeakTransport(HostTransport):
@@ -262,6 +306,36 @@ def test_bases_that_raise_the_peak_move_again():
     assert moved[3] == moved[2]  # and in iteration 3, whose peak rose inside the windows
     assert moved[4] == moved[0]  # so iteration 4 moves them again
     assert watch.kept == set() and watch.refused == set(range(K))
+
+
+def test_windows_follow_the_schedule():
+    ctx, _ = _context(_PeakTransport())
+    # The forward of 2 is point 2; the backward of 1 is point 2N - 1 - 1 = 6.
+    assert ctx.offload_synchronizer._windows == [Window(0, 2, 6), Window(1, 3, 5)]
+    ctx, _ = v2.get_cpu_offload_context(
+        True,
+        model_layers=N,
+        transport=_PeakTransport(),
+        synchronization_dict={0: (True, 1, True, 3), 1: (True, 2, False, 1)},
+    )
+    assert ctx.offload_synchronizer._windows == [Window(0, 1, 3), Window(1, 2, 6)]
+
+
+def test_no_watch_with_retained_buffers():
+    layers, make, ref = _gpt()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ctx, sync = v2.get_cpu_offload_context(
+            True,
+            K,
+            N,
+            transport=_PeakTransport(),
+            min_tensor_size_to_offload=256,
+            retain_pinned_cpu_buffers=True,  # the same blocks every iteration
+        )
+    moved = _moved_per_step(layers, make, ref, ctx, sync, 3)
+    assert moved == [moved[0]] * 3
+    assert ctx.offload_synchronizer.peak_watch is None
 
 
 def test_no_watch_without_a_peak_reading():

@@ -11,7 +11,6 @@ import torch
 from .. import _log
 from .._compat import pinned_alloc_in_capture_supported
 from .layout import TensorLayout
-from .selection import is_dense
 from .tensor_group import GroupPlan, SavedEntry, TensorGroupProcessor, Unit
 from .transport import HostBufferPool, Transport, resolve_transport
 
@@ -81,12 +80,11 @@ class OffloadableLayerState:
         self._retained_sizes: list[int] = []
         self._captured: list[torch.Tensor] = []  # host buffers a captured graph uses
         self._seq = 0
-        #: Leave strided views of a larger base to autograd, as without offloading, rather
-        #: than copy their base (NOTE [Bytes that pay] in ``peak_watch.py``).
+        #: Keep on the device the bases copied only for the sake of strided views
+        #: (NOTE [Bytes that pay] in ``peak_watch.py``); read at each :meth:`start_offload`.
         self.keep_view_bases = False
         #: Bytes of such bases in the last offload, kept or moved (0 before the first).
         self.view_base_bytes = 0
-        self._kept_bases: dict[int, int] = {}  # base address -> bytes, this iteration
 
     # -- bookkeeping -----------------------------------------------------------------
 
@@ -122,13 +120,6 @@ class OffloadableLayerState:
             if _log.debug_enabled():
                 _log.kept(self.name, tensor, _log.policy_reason(self.policy, tensor))
             return tensor
-        base = tensor._base
-        if self.keep_view_bases and base is not None and not is_dense(tensor):
-            # Autograd holds it, and frees it, as it would without offloading.
-            self._kept_bases[base.data_ptr()] = base.numel() * base.element_size()
-            if _log.debug_enabled():
-                _log.kept(self.name, tensor, "a view whose base stays: copying it lowers no peak")
-            return tensor
         self._seq += 1
         entries = self._entries
         entries.append(
@@ -161,47 +152,49 @@ class OffloadableLayerState:
         self._expect("start_offload", LayerPhase.NOT_OFFLOADED)
         if not self._entries:  # nothing saved: nothing to group, buffer or copy
             self._plan = GroupPlan()
-            self.view_base_bytes = self._take_kept_bases()
+            self.view_base_bytes = 0
             self.phase = LayerPhase.OFFLOAD_STARTED
             return
         for entry in self._entries:
             # Modified in place since it was saved: backward must fail as without offloading.
             entry.keep = entry.tensor._version != entry.version
-        plan = self.processor.process(self._entries)
-        self.view_base_bytes = plan.view_base_bytes + self._take_kept_bases()
-        buffers = self._host_buffers(plan.units)
+        plan = self.processor.process(self._entries, self.keep_view_bases)
+        self.view_base_bytes = plan.view_base_bytes
+        moved = [u for u in plan.units if not u.kept]
+        buffers = self._host_buffers(moved)
         # Known before any copy is queued, so that a failure part-way through is cleaned
         # up by release_all_memory (which waits for the copies already queued).
         self._plan = plan
         self.phase = LayerPhase.OFFLOAD_STARTED
+        for unit in plan.units:
+            if unit.kept:
+                unit.reloaded = unit.tensor  # served from the device tensor itself
         copies = []
-        for unit, buf in zip(plan.units, buffers, strict=True):
+        for unit, buf in zip(moved, buffers, strict=True):
             unit.host = buf
             unit.host_view = HostBufferPool.view(buf, unit.layout)  # made once, used twice
             assert unit.tensor is not None
             copies.append((unit.tensor, unit.ready, unit.host_view))
         # All copies of the layer in one call: one stream switch, not one per tensor.
         events = self.transport.offload_all(copies)
-        for unit, event in zip(plan.units, events, strict=True):
+        for unit, event in zip(moved, events, strict=True):
             unit.copied = event
         if _log.debug_enabled():
             self._log_offload(plan)
 
-    def _take_kept_bases(self) -> int:
-        nbytes = sum(self._kept_bases.values())
-        self._kept_bases.clear()
-        return nbytes
-
     def _log_offload(self, plan: GroupPlan) -> None:
         for unit in plan.units:
             assert unit.tensor is not None
-            _log.offloaded(self.name, unit.tensor, unit.nbytes)
+            if unit.kept:
+                _log.kept(self.name, unit.tensor, "a view base that lowers no peak off the device")
+            else:
+                _log.offloaded(self.name, unit.tensor, unit.nbytes)
         for entry, ref in zip(self._entries, plan.refs, strict=True):
             if not plan.unit_ids(ref):
                 why = "changed in place" if entry.keep else "layout cannot be restored"
                 _log.kept(self.name, entry.tensor, why)
-        total = sum(u.nbytes for u in plan.units)
-        _log.moved(self.name, "offload", total, len(plan.units))
+        moved = [u for u in plan.units if not u.kept]
+        _log.moved(self.name, "offload", sum(u.nbytes for u in moved), len(moved))
 
     def _host_buffers(self, units: list[Unit]) -> list[torch.Tensor]:
         pool = self.transport.pool
@@ -273,7 +266,7 @@ class OffloadableLayerState:
         """
         self._expect("start_reload", LayerPhase.OFFLOAD_FINISHED)
         assert self._plan is not None
-        units = self._plan.units
+        units = [u for u in self._plan.units if not u.kept]  # kept ones never left
         if _log.debug_enabled():
             _log.moved(self.name, "reload", sum(u.nbytes for u in units), len(units))
         buffers = device_buffers or []
@@ -346,19 +339,36 @@ class OffloadableLayerState:
             unit = plan.units[u]
             if unit.reloaded is None:
                 # Read more often than it was saved (a custom Function reading
-                # ctx.saved_tensors twice): the host copy is still here, copy it again.
-                self._reload_units([unit], [None])
+                # ctx.saved_tensors twice): copy the host copy again, or find the kept
+                # memory through a tensor rebuilt from it that autograd still holds.
+                if unit.kept:
+                    unit.reloaded = self._kept_again(unit)
+                else:
+                    self._reload_units([unit], [None])
                 unit.pending_pops += 1
             self._join_reload(unit, stream, reads=True)
         out = self.processor.restore(plan, ref)
         for u in unit_ids:
             unit = plan.units[u]
+            if unit.kept and type(out) is torch.Tensor:
+                unit.returned.append(weakref.ref(out))
             unit.pending_pops -= 1
             if unit.pending_pops <= 0:
                 # Autograd now holds the only references it needs: drop ours so the
                 # memory goes as soon as the layer's backward is done with it.
                 unit.reloaded = None
         return out
+
+    def _kept_again(self, unit: Unit) -> torch.Tensor:
+        alive = next((t for t in (r() for r in unit.returned) if t is not None), None)
+        if alive is None:
+            raise RuntimeError(
+                f"{self.name}: a saved tensor kept on the device was read again after "
+                "every tensor autograd made from it was freed. Read ctx.saved_tensors once "
+                "per backward, or keep the first result while reading it again"
+            )
+        layout = unit.layout
+        return alive.as_strided(layout.size, layout.stride, unit.storage_offset)
 
     def _check_version(self, index: int) -> None:
         entry = self._entries[index]
@@ -406,9 +416,9 @@ class OffloadableLayerState:
                 ):
                     self.transport.pool.release(unit.host)
                 unit.host = unit.host_view = unit.tensor = unit.reloaded = None
+                unit.returned.clear()
         self._plan = None
         self._entries = []
-        self._kept_bases.clear()
         self.phase = LayerPhase.NOT_OFFLOADED
 
     # -- reporting -------------------------------------------------------------------
@@ -421,4 +431,4 @@ class OffloadableLayerState:
         """MiB held in host copies of this layer's tensors."""
         if self._plan is None or self.phase is LayerPhase.NOT_OFFLOADED:
             return 0.0
-        return sum(u.nbytes for u in self._plan.units) / _MIB
+        return sum(u.nbytes for u in self._plan.units if not u.kept) / _MIB

@@ -10,8 +10,9 @@ raises the memory of every moment inside the window by ``b``, and of no other mo
 Some bytes are moved only for the sake of others: a base that strided views of it (q, k
 and v sliced from one projection) were saved from is copied whole, because the views
 cannot be copied and rebuilt on their own. Those bases are the candidates here: a layer
-keeps them on the device (``OffloadableLayerState.keep_view_bases``) when its window can
-hold them without raising the step's peak, and moves them otherwise.
+keeps them on the device (``OffloadableLayerState.keep_view_bases``: the base becomes a
+unit that is never copied, and the views are rebuilt from it) when its window can hold
+them without raising the step's peak, and moves them otherwise.
 
 Where the peak falls is read, not modelled: the allocator keeps a running maximum of
 allocated memory. Read at each schedule point ``t``, it bounds the peak of the interval
@@ -71,7 +72,8 @@ class PeakWatch:
     that keep their view bases on the device (NOTE [Bytes that pay]).
 
     Args:
-        read_peak: The allocator's running peak of allocated bytes.
+        read_peak: The allocator's running peak of allocated bytes; None where the
+            allocator keeps no statistics (an iteration with such a reading is not judged).
         windows: The offloaded layers' windows.
         points: The number of schedule points in one iteration.
         slack: Bytes of the allocator's rounding: room must exceed the kept bytes by as
@@ -81,16 +83,16 @@ class PeakWatch:
         ValueError: If ``windows`` is empty or one ends at or after ``points``.
 
     Example:
-        >>> peaks = iter([10, 40, 60, 100])  # at begin, at points 1 and 2, at the end
+        >>> peaks = iter([10, 20, 40, 60, 100])  # at begin, at points 0 to 2, at the end
         >>> watch = PeakWatch(lambda: next(peaks), [Window(0, 0, 2)], points=3, slack=0)
-        >>> watch.begin(); watch.mark(1); watch.mark(2)
+        >>> watch.begin(); watch.mark(0); watch.mark(1); watch.mark(2)
         >>> sorted(watch.end({0: 30}))  # the peak fell after the window: room of 60, 40
         [0]
     """
 
     def __init__(
         self,
-        read_peak: Callable[[], int],
+        read_peak: Callable[[], int | None],
         windows: Sequence[Window],
         points: int,
         slack: int = ALLOCATOR_SLACK,
@@ -107,10 +109,11 @@ class PeakWatch:
         self.windows = {w.layer: w for w in windows}
         first = min(w.start for w in windows)
         last = max(w.end for w in windows)
-        #: Only points that end an interval of some window are read.
-        self._wanted = [first < p <= last for p in range(points)]
+        #: Only points that end an interval of some window are read, and the one before
+        #: the first window: a peak before it then falls in no window.
+        self._wanted = [first <= p <= last for p in range(points)]
         self._marks: list[int | None] = [None] * points
-        self._start: int | None = None
+        self._start: int | None = None  # the running peak when the iteration began
         #: Layers that keep their view bases on the device.
         self.kept: set[int] = set()
         #: Layers whose kept bases raised the peak once: they move them for good.
@@ -119,9 +122,21 @@ class PeakWatch:
         self._chosen_peak = 0  # the peak of the iterations the kept layers were chosen in
 
     def begin(self) -> None:
-        """Start watching an iteration (before its first point)."""
+        """Start watching an iteration (before its first point).
+
+        An iteration that began and never reached the end of its backward (an error in
+        it, out of memory say) ends the kept layers' keeping for good: the memory they
+        held may have been what was missing.
+        """
+        if self._start is not None and self.kept:
+            self.refused |= self.kept
+            self.kept = set()
         self._start = self._read()
         self._marks = [None] * len(self._marks)
+
+    def skip(self) -> None:
+        """Leave the iteration begun unjudged (a CUDA graph captured it, say)."""
+        self._start = None
 
     def mark(self, position: int) -> None:
         """Read the running peak at the point ``position`` (before the point's work)."""
@@ -144,6 +159,8 @@ class PeakWatch:
         if start is None or any(m is None for m, w in zip(marks, self._wanted, strict=True) if w):
             return self.kept
         peak = self._read()
+        if peak is None:
+            return self.kept
         if self.kept and peak > start and peak > self._chosen_peak + self.slack:
             # A new peak, above the one the choice was made under: where did it fall?
             at = next((p for p, m in enumerate(marks) if m is not None and m >= peak), None)

@@ -74,6 +74,12 @@ class Unit:
     home: Hashable = None
     waited: set[Hashable] = field(default_factory=set)
     pending_pops: int = 0
+    #: Stays on the device: never copied; ``reloaded`` is the device tensor itself until
+    #: its last read, then ``returned`` (weak references to the tensors rebuilt from it)
+    #: lets a later read find the memory while autograd still holds one of them.
+    kept: bool = False
+    returned: list[weakref.ref[torch.Tensor]] = field(default_factory=list)
+    storage_offset: int = 0  # of the kept device tensor, to rebuild it from ``returned``
 
     @property
     def nbytes(self) -> int:
@@ -160,8 +166,13 @@ class TensorGroupProcessor:
 
     # -- forward: tensors -> units ---------------------------------------------------
 
-    def process(self, entries: Sequence[SavedEntry]) -> GroupPlan:
-        """Group ``entries`` (in push order) into units and references."""
+    def process(self, entries: Sequence[SavedEntry], keep_view_bases: bool = False) -> GroupPlan:
+        """Group ``entries`` (in push order) into units and references.
+
+        ``keep_view_bases``: bases copied only for the sake of views become units that
+        stay on the device (:attr:`Unit.kept`): no copy either way, the views are rebuilt
+        from the base itself (NOTE [Bytes that pay] in ``peak_watch.py``).
+        """
         leaves: list[_Leaf] = []
         templates = [self._flatten(e.tensor, e, leaves) for e in entries]
 
@@ -190,7 +201,7 @@ class TensorGroupProcessor:
         plan = GroupPlan()
         leaf_refs: dict[int, _Ref] = {}
         for root, members in roots.values():
-            leaf_refs.update(self._plan_root(root, members, leaves, plan))
+            leaf_refs.update(self._plan_root(root, members, leaves, plan, keep_view_bases))
 
         plan.refs = [self._resolve(tpl, leaf_refs, alias) for tpl in templates]
         for ref in plan.refs:
@@ -225,7 +236,12 @@ class TensorGroupProcessor:
         )
 
     def _plan_root(
-        self, root: torch.Tensor, members: list[int], leaves: list[_Leaf], plan: GroupPlan
+        self,
+        root: torch.Tensor,
+        members: list[int],
+        leaves: list[_Leaf],
+        plan: GroupPlan,
+        keep_view_bases: bool,
     ) -> dict[int, _Ref]:
         refs: dict[int, _Ref] = {}
         tensors = [leaves[i].tensor for i in members]
@@ -251,16 +267,21 @@ class TensorGroupProcessor:
                 )
             )
         )
-        if (
+        # Copied only because views of it cannot be copied on their own (not saved itself,
+        # not marked with offload_base_tensor=True): a base the layer may keep instead.
+        for_views = (
             take_root
             and not any(leaves[i].key == root_key or leaves[i].force_base for i in members)
             and not all(is_dense(t) for t in tensors)
-        ):
-            # Copied only because views of it cannot be copied on their own.
+        )
+        if for_views:
             plan.view_base_bytes += root.numel() * root.element_size()
         if take_root:
             ready_leaf = max((leaves[i] for i in members), key=lambda leaf: leaf.seq)
             u = self._add_unit(plan, root, ready_leaf)
+            if for_views and keep_view_bases:
+                plan.units[u].kept = True
+                plan.units[u].storage_offset = int(root.storage_offset())
             for i, t in zip(members, tensors, strict=True):
                 view = None
                 if leaves[i].key != root_key:

@@ -291,8 +291,12 @@ class CudaTransport(Transport):
 
     def peak_allocated(self) -> int | None:
         # The nested statistics skip memory_stats' flattening of every counter in Python:
-        # read at each schedule point, this must cost microseconds.
-        stats = torch.cuda.memory_stats_as_nested_dict(self.stream.device)
+        # read at each schedule point, this must cost microseconds. A pluggable allocator
+        # (RMM, say) keeps none and raises.
+        try:
+            stats = torch.cuda.memory_stats_as_nested_dict(self.stream.device)
+        except RuntimeError:
+            return None
         return int(stats["allocated_bytes"]["all"]["peak"]) if stats else None
 
     # The stream calls below avoid torch.cuda's Python wrappers: see

@@ -377,7 +377,8 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
     def start_new_iteration(self) -> None:
         super().start_new_iteration()
         if self.peak_watch is not None:
-            self.peak_watch.begin()
+            self.peak_watch.begin()  # may end keeping, after an iteration cut short
+            self._keep(self.peak_watch.kept)
 
     def finish_part_of_bwd(self) -> None:
         super().finish_part_of_bwd()
@@ -389,6 +390,8 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
         if self.retain_pinned_cpu_buffers or self.transport.capturing():
             # Fixed host buffers (and a captured graph's copies) need the same saved
             # blocks every iteration: what is moved may not change.
+            if self.peak_watch is not None:
+                self.peak_watch.skip()
             return
         offloaded = [w.layer for w in self._windows]
         candidates = {i: self.layers[i].view_base_bytes for i in offloaded}
@@ -401,9 +404,11 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
                     2 * self.num_layers,
                 )
             return
-        kept = self.peak_watch.end(candidates)
-        for i in offloaded:
-            self.layers[i].keep_view_bases = i in kept
+        self._keep(self.peak_watch.end(candidates))
+
+    def _keep(self, kept: set[int]) -> None:
+        for window in self._windows:
+            self.layers[window.layer].keep_view_bases = window.layer in kept
 
     def _work_at(self, point: Point) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
         finish = tuple(self.schedule.finish_at.get(point, ()))
@@ -476,3 +481,13 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
         work = self._at_backward[layer_id]
         if work is not None:
             self._run_point(work)
+
+
+def __getattr__(name: str) -> object:
+    # ManualOffloadSynchronizer lived here before manual.py; imported lazily, since
+    # manual.py imports this module.
+    if name == "ManualOffloadSynchronizer":
+        from .manual import ManualOffloadSynchronizer
+
+        return ManualOffloadSynchronizer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
