@@ -98,30 +98,30 @@ def _peak_inside_windows(layers):
     return [layers[N - 1].register_forward_hook(lambda m, a, o: _allocate(4 << 30))]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_model_peak_never_raised_and_exact(dtype, deterministic):
+def _watched_beside_blind(dtype, extra=None) -> tuple[_Run, _Run]:
+    """The same steps watched and moving everything: exact, and never heavier."""
     layers, make = _gpt(dtype)
     ref = step(layers, make)
-    watched = _Run(layers, make, CudaTransport())
-    blind = _Run(layers, make, _Blind())
-    assert watched.sync.peak_watch is not None
+    watched = _Run(layers, make, CudaTransport(), extra)
+    blind = _Run(layers, make, _Blind(), extra)
     for got in watched.results:
         assert_bit_equal(ref, got)
     _assert_no_higher(watched, blind)
+    return watched, blind
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_model_peak_never_raised_and_exact(dtype, deterministic):
+    watched, _ = _watched_beside_blind(dtype)
+    assert watched.sync.peak_watch is not None
 
 
 def test_bases_stay_when_the_peak_falls_after_the_windows(deterministic):
-    layers, make = _gpt(torch.bfloat16)
-    ref = step(layers, make)
-    watched = _Run(layers, make, CudaTransport(), _peak_after_windows)
-    blind = _Run(layers, make, _Blind(), _peak_after_windows)
+    watched, blind = _watched_beside_blind(torch.bfloat16, _peak_after_windows)
     sync = watched.sync
     bases = sum(sync.layers[i].view_base_bytes for i in range(K))
     assert bases > 0 and sync.peak_watch.kept == set(range(K))
     assert watched.moved[2:] == [blind.moved[2] - bases] * (STEPS - 2)
-    for got in watched.results:
-        assert_bit_equal(ref, got)
-    _assert_no_higher(watched, blind)
 
 
 def test_bases_move_when_the_peak_falls_inside_the_windows(deterministic):

@@ -160,7 +160,7 @@ class OffloadableLayerState:
             entry.keep = entry.tensor._version != entry.version
         plan = self.processor.process(self._entries, self.keep_view_bases)
         self.view_base_bytes = plan.view_base_bytes
-        moved = [u for u in plan.units if not u.kept]
+        moved = plan.moved
         buffers = self._host_buffers(moved)
         # Known before any copy is queued, so that a failure part-way through is cleaned
         # up by release_all_memory (which waits for the copies already queued).
@@ -193,7 +193,7 @@ class OffloadableLayerState:
             if not plan.unit_ids(ref):
                 why = "changed in place" if entry.keep else "layout cannot be restored"
                 _log.kept(self.name, entry.tensor, why)
-        moved = [u for u in plan.units if not u.kept]
+        moved = plan.moved
         _log.moved(self.name, "offload", sum(u.nbytes for u in moved), len(moved))
 
     def _host_buffers(self, units: list[Unit]) -> list[torch.Tensor]:
@@ -266,7 +266,7 @@ class OffloadableLayerState:
         """
         self._expect("start_reload", LayerPhase.OFFLOAD_FINISHED)
         assert self._plan is not None
-        units = [u for u in self._plan.units if not u.kept]  # kept ones never left
+        units = self._plan.moved  # kept ones never left
         if _log.debug_enabled():
             _log.moved(self.name, "reload", sum(u.nbytes for u in units), len(units))
         buffers = device_buffers or []
@@ -431,4 +431,4 @@ class OffloadableLayerState:
         """MiB held in host copies of this layer's tensors."""
         if self._plan is None or self.phase is LayerPhase.NOT_OFFLOADED:
             return 0.0
-        return sum(u.nbytes for u in self._plan.units if not u.kept) / _MIB
+        return sum(u.nbytes for u in self._plan.moved) / _MIB

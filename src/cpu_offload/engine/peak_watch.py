@@ -173,7 +173,6 @@ class PeakWatch:
                 self.kept -= harmed
                 self.refused |= harmed
                 return self.kept
-        need = self.slack
         used = [0] * len(marks)
         for layer in sorted(candidate_bytes):
             nbytes = candidate_bytes[layer]
@@ -183,7 +182,7 @@ class PeakWatch:
             if window is None:
                 continue
             span = range(window.start + 1, window.end + 1)
-            if all(peak - marks[p] - used[p] >= nbytes + need for p in span):  # type: ignore[operator]
+            if all(peak - marks[p] - used[p] >= nbytes + self.slack for p in span):  # type: ignore[operator]
                 for p in span:
                     used[p] += nbytes
                 self.kept.add(layer)

@@ -119,6 +119,11 @@ class GroupPlan:
     #: keeping those views on the device would spare the link.
     view_base_bytes: int = 0
 
+    @property
+    def moved(self) -> list[Unit]:
+        """The units copied to the host and back (all but the kept ones)."""
+        return [u for u in self.units if not u.kept]
+
     def keep(self, index: int, tensor: torch.Tensor) -> None:
         """Serve pushed id ``index`` from ``tensor`` itself instead of its units."""
         for u in self.unit_ids(self.refs[index]):

@@ -399,7 +399,7 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
             # Made once a layer with a window has view bases; it watches the next iteration.
             if any(candidates.values()) and self.transport.peak_allocated() is not None:
                 self.peak_watch = PeakWatch(
-                    self.transport.peak_allocated,  # type: ignore[arg-type]
+                    self.transport.peak_allocated,
                     self._windows,
                     2 * self.num_layers,
                 )
