@@ -778,3 +778,68 @@ def test_fingerprint_sees_zeroing_scaling_and_single_edits():
         t = g.clone()
         edit(t)
         assert not torch.equal(_fingerprint(t), base)
+
+
+def _fingerprint_by_bytes(t: torch.Tensor) -> list[int]:
+    # The definition, one byte at a time: unsigned codes of min(width, 4) bytes summed,
+    # max and min of the signed codes of the element's width.
+    flat = t.detach().reshape(-1).contiguous()
+    raw = bytes(flat.view(torch.uint8).tolist())
+    width = min(flat.element_size(), 4)
+    total = sum(int.from_bytes(raw[i : i + width], "little") for i in range(0, len(raw), width))
+    signed = {1: torch.int8, 2: torch.int16, 4: torch.int32}.get(flat.element_size(), torch.int64)
+    ints = flat.view(signed)
+    return [total, int(ints.max()), int(ints.min())]
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.float32,
+        torch.bfloat16,
+        torch.float16,
+        torch.float64,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.int64,
+        torch.complex64,
+        torch.complex128,
+    ],
+)
+def test_fingerprint_matches_its_definition(dtype: torch.dtype) -> None:
+    # Long enough for two int32 rows and a remainder; views at odd offsets and strides.
+    x = (torch.randn(2 * (1 << 15) + 11, generator=torch.Generator().manual_seed(2)) * 300).to(
+        dtype
+    )
+    for view in (x, x[3:], x[::7]):
+        assert _fingerprint(view).tolist() == _fingerprint_by_bytes(view)
+
+
+def test_gradient_copies_are_queued_before_the_device_step_without_side_streams(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # On the current stream, a copy queued after the device step would wait for it.
+    import cpu_offload.optim._step as step_module
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    opt = HybridDeviceOptimizer(
+        model.parameters(),
+        offload_fraction=0.5,
+        overlap_cpu_optimizer_d2h_h2d=False,
+        is_device_param=lambda p: True,
+        lr=0.1,
+    )
+    order: list[str] = []
+    real_send = step_module.send_grad
+    monkeypatch.setattr(
+        step_module, "send_grad", lambda *a, **k: (order.append("copy"), real_send(*a, **k))[1]
+    )
+    device_opt = opt.sub_optimizers[-1]
+    real_step = device_opt.step
+    monkeypatch.setattr(
+        device_opt, "step", lambda *a, **k: (order.append("device"), real_step(*a, **k))[1]
+    )
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    assert order[-1] == "device" and order.count("copy") == sum(opt.offload_mask)

@@ -15,8 +15,10 @@ from ._entries import Entry
 
 __all__ = ["check_early_copies", "fingerprint", "keep_unchanged_early_copies"]
 
-# Integer dtype of each element width, to read a tensor's bits element by element.
-_INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.int64}
+# Integer dtypes of each element width, to read a tensor's bits element by element:
+# signed (for max and min) and unsigned (zero-extended when widened, for the sum).
+_INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_UINT_VIEW = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32}
 
 _FINGERPRINT_CHUNK = 1 << 24  # elements widened at a time: bounds the temporary memory
 _FINGERPRINT_ROW = 1 << 15  # 2^15 unsigned 16-bit codes sum below 2^31: int32 rows
@@ -32,6 +34,10 @@ def fingerprint(tensor: torch.Tensor) -> torch.Tensor:
     and any uniform power-of-2 scaling (which adds the same amount to every nonzero
     code) change the sum. Integer reductions are exact in any order, so the value does
     not depend on the reduction's layout. Max and min of the signed codes come on top.
+
+    It runs on the device stream between backward and the host step, so it reads each
+    element once for the sum (widened by the unsigned view in one conversion, summed
+    in int32 rows that cannot overflow, then in int64) and once for max and min.
 
     Args:
         tensor: Any dense tensor.
@@ -49,21 +55,22 @@ def fingerprint(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.numel() == 0:
         return torch.zeros(3, dtype=torch.int64, device=tensor.device)
     flat = tensor.detach().reshape(-1)
-    ints = flat.view(_INT_VIEW[tensor.element_size()])
+    size = tensor.element_size()
+    ints = flat.view(_INT_VIEW[size]) if size <= 8 else flat.contiguous().view(torch.int64)
     # Wider elements are summed as their 4-byte halves, so that the sum stays exact.
-    width = min(tensor.element_size(), 4)
-    words = (flat if width == tensor.element_size() else flat.contiguous()).view(_INT_VIEW[width])
+    words = flat if size <= 4 else flat.contiguous().view(torch.int32)
+    codes = words.view(_UINT_VIEW[words.element_size()])
     total = torch.zeros((), dtype=torch.int64, device=tensor.device)
-    mask = (1 << (8 * width)) - 1
-    for chunk in words.split(_FINGERPRINT_CHUNK):
-        if width <= 2:
-            codes = chunk.to(torch.int32).bitwise_and_(mask)
-            full = codes.numel() - codes.numel() % _FINGERPRINT_ROW
-            rows = codes[:full].view(-1, _FINGERPRINT_ROW).sum(1, dtype=torch.int32)
-            total += rows.sum(dtype=torch.int64) + codes[full:].sum(dtype=torch.int64)
+    for chunk in codes.split(_FINGERPRINT_CHUNK):
+        if chunk.element_size() <= 2:
+            wide = chunk.to(torch.int32)
+            full = wide.numel() - wide.numel() % _FINGERPRINT_ROW
+            rows = wide[:full].view(-1, _FINGERPRINT_ROW).sum(1, dtype=torch.int32)
+            total += rows.sum(dtype=torch.int64) + wide[full:].sum(dtype=torch.int64)
         else:
-            total += chunk.to(torch.int64).bitwise_and_(mask).sum()
-    return torch.stack([total, ints.amax().to(torch.int64), ints.amin().to(torch.int64)])
+            total += chunk.to(torch.int64).sum()
+    low, high = torch.aminmax(ints)
+    return torch.stack([total, high.to(torch.int64), low.to(torch.int64)])
 
 
 def check_early_copies(

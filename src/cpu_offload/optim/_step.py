@@ -103,18 +103,23 @@ class HybridStepper(torch.optim.Optimizer):
         candidates, same, checked = check_early_copies(offloaded)
 
         # 2. ... while the device part is queued, to run on the device as the host works.
+        #    Gradient copies on the current stream that need no check are queued before
+        #    it: behind it, the host would wait for the device step as well as for
+        #    backward before it could start stepping.
+        copies_first = self._d2h_stream is None and not candidates
+        if copies_first:
+            self._take_grads(d2h)
         if self._device_sub is not None:
             self._step_device()
         kept = keep_unchanged_early_copies(candidates, same, checked)
         t_checked = time.perf_counter()
 
         # 3. Gradients to the host, for every offloaded entry without a valid early copy,
-        #    in host-stepping order.
+        #    in host-stepping order; on the side stream, after everything before step().
         if self._d2h_stream is not None and before_step is not None:
             self._d2h_stream.wait_event(before_step)
-        for sub in self._host_subs:
-            for entry in sub.entries:
-                self._take_grad(entry, d2h)
+        if not copies_first:
+            self._take_grads(d2h)
 
         # 4. Host buckets: wait for their gradients, step, copy back (pipelined).
         if self._h2d_stream is not None and before_step is not None:
@@ -140,6 +145,11 @@ class HybridStepper(torch.optim.Optimizer):
             "early_copies": float(early_candidates),
             "early_copies_reused": float(kept),
         }
+
+    def _take_grads(self, stream: torch.cuda.Stream | None) -> None:
+        for sub in self._host_subs:
+            for entry in sub.entries:
+                self._take_grad(entry, stream)
 
     def _take_grad(self, entry: Entry, stream: torch.cuda.Stream | None) -> None:
         """Start the gradient's way to the host optimizer (a copy unless early or host)."""
