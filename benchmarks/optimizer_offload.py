@@ -16,7 +16,8 @@ fused ``torch.optim.AdamW`` on each side, timed as whole training iterations bac
 back (so that a host step finishing under the next forward is counted where it is
 waited for): Megatron's, ours, ours with ``overlap_host_step_with_forward`` and ours
 with that and ``offload_last_layers``, per fraction and overlap setting; ours with early
-gradient copies on and off where ``--early-grad-copy both`` asks for it.
+gradient copies on and off where ``--early-grad-copy both`` asks for it. Each setting
+runs ``--rounds`` rounds that alternate the optimizers; a row is the median of its rounds.
 
 Usage::
 
@@ -33,6 +34,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -129,13 +131,19 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "optimizer's default; both: one row each, to choose per fraction)",
     )
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="with --peer: alternating rounds of every side-by-side row (default 3)",
+    )
+    parser.add_argument(
         "--side-by-side-only",
         action="store_true",
         help="with --peer: skip the rows measured step by step and the host AdamW timings",
     )
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args(argv)
-    for name in ("hidden", "blocks", "tokens", "steps"):
+    for name in ("hidden", "blocks", "tokens", "steps", "rounds"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1")
     try:
@@ -358,32 +366,53 @@ def side_by_side(
         candidates += [(name, HybridDeviceOptimizer, extra) for name, extra in ours_variants]
         if fraction == 0.0:
             candidates = candidates[:2]
-        for name, cls, extra in candidates:
-            model = build_model(args.hidden, args.blocks, device)
-            params = list(model.parameters())
-            result = time_training(
-                model,
-                loss_fn,
-                lambda cls=cls, extra=extra, params=params, kw=kw: cls(params, **kw, **extra),
-                args.steps,
-                args.warmup,
+        # Rounds alternate the candidates, so that a drift of the host (its memory
+        # bandwidth bounds the host step) reaches all of them alike.
+        per_round: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in candidates}
+        for _ in range(args.rounds):
+            for name, cls, extra in candidates:
+                model = build_model(args.hidden, args.blocks, device)
+                params = list(model.parameters())
+                result = time_training(
+                    model,
+                    loss_fn,
+                    lambda cls=cls, extra=extra, params=params, kw=kw: cls(params, **kw, **extra),
+                    args.steps,
+                    args.warmup,
+                )
+                per_round[name].append(result)
+                del model, params
+        for name, results in per_round.items():
+            times = [r["iteration_ms"] for r in results]
+            row = dict(results[-1])
+            row.update(
+                name=name,
+                fraction=fraction,
+                overlap=overlap,
+                iteration_ms=statistics.median(times),
+                round_ms=times,
+                peak_allocated_gib=max(r["peak_allocated_gib"] for r in results),
             )
-            result.update(name=name, fraction=fraction, overlap=overlap)
-            rows.append(result)
-            del model, params
+            rows.append(row)
     megatron = {
         (r["fraction"], r["overlap"]): r["iteration_ms"] for r in rows if r["name"] == "Megatron"
     }
-    print("Side by side with Megatron's HybridDeviceOptimizer (whole iterations, back to back):\n")
     print(
-        "| fraction | overlap | optimizer | iteration ms | / Megatron | GPU state GiB | peak GiB | checksum |"
+        "Side by side with Megatron's HybridDeviceOptimizer (whole iterations, back to back; "
+        f"median of {args.rounds} alternating rounds, each the median of {args.steps} "
+        "iterations):\n"
     )
-    print("|---:|---|---|---:|---:|---:|---:|---:|")
+    print(
+        "| fraction | overlap | optimizer | iteration ms | / Megatron | rounds ms "
+        "| GPU state GiB | peak GiB | checksum |"
+    )
+    print("|---:|---|---|---:|---:|---|---:|---:|---:|")
     for r in rows:
         ratio = r["iteration_ms"] / megatron[(r["fraction"], r["overlap"])]
         print(
             f"| {r['fraction']:g} | {'on' if r['overlap'] else 'off'} | {r['name']} | "
-            f"{r['iteration_ms']:.1f} | {ratio:.2f} | {r['state_gib']:.2f} | "
+            f"{r['iteration_ms']:.1f} | {ratio:.3f} | "
+            f"{' / '.join(f'{t:.1f}' for t in r['round_ms'])} | {r['state_gib']:.2f} | "
             f"{r['peak_allocated_gib']:.2f} | {r['checksum']:.6g} |"
         )
     print()

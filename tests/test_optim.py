@@ -13,6 +13,7 @@ import gc
 import io
 import math
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +27,8 @@ from cpu_offload.optim import (
     measure_optimizer,
     optimizer_device_state_bytes,
 )
+from cpu_offload.optim._entries import EarlyCopy, Entry
+from cpu_offload.optim._fingerprint import EarlyCopyChecks
 from cpu_offload.optim._fingerprint import fingerprint as _fingerprint
 
 # The for-loop implementations are used where a test compares against a plain optimizer:
@@ -814,6 +817,50 @@ def test_fingerprint_matches_its_definition(dtype: torch.dtype) -> None:
     )
     for view in (x, x[3:], x[::7]):
         assert _fingerprint(view).tolist() == _fingerprint_by_bytes(view)
+
+
+def _entry_with_early_copy(seed: int) -> Entry:
+    param = torch.nn.Parameter(torch.randn(64, generator=torch.Generator().manual_seed(seed)))
+    param.grad = torch.randn(64, generator=torch.Generator().manual_seed(seed + 100))
+    entry = Entry(param, 0, host=True, offloaded=True, inner=param.detach().clone(), master=False)
+    grad = param.grad
+    entry.early = EarlyCopy(weakref.ref(grad), grad._version, None, _fingerprint(grad), False)
+    return entry
+
+
+def test_early_copy_checks_are_decided_bucket_by_bucket() -> None:
+    buckets = [[_entry_with_early_copy(0), _entry_with_early_copy(1)], [_entry_with_early_copy(2)]]
+    checks = EarlyCopyChecks(buckets)
+    assert (checks.made, checks.candidates, checks.kept) == (3, 3, 0)
+    # Unchanged gradients: each bucket is decided when the host reaches it.
+    assert checks.settle(0) == buckets[0]
+    assert checks.kept == 2
+    assert checks.settle(1) == buckets[1]
+    assert checks.settle(1) == []
+    assert checks.kept == 3 and all(e.early is not None for b in buckets for e in b)
+
+
+def test_a_rejected_early_copy_decides_every_later_bucket() -> None:
+    buckets = [[_entry_with_early_copy(i)] for i in range(3)]
+    # Changed without a new version (through .data): only the fingerprint sees it.
+    buckets[0][0].param.grad.data.mul_(0.5)
+    buckets[2][0].param.grad.data.zero_()
+    checks = EarlyCopyChecks(buckets)
+    assert checks.candidates == 3
+    decided = checks.settle(0)
+    assert decided == [buckets[0][0], buckets[1][0], buckets[2][0]]
+    assert [b[0].early is None for b in buckets] == [True, False, True]
+    assert checks.kept == 1 and checks.settle(1) == [] and checks.settle(2) == []
+
+
+def test_stale_early_copies_are_no_candidates() -> None:
+    replaced, bumped, gone = (_entry_with_early_copy(i) for i in range(3))
+    replaced.param.grad = replaced.param.grad.clone()
+    bumped.param.grad.mul_(2.0)
+    gone.param.grad = None
+    checks = EarlyCopyChecks([[replaced, bumped, gone]])
+    assert (checks.made, checks.candidates) == (3, 0)
+    assert checks.settle_all() == [] and all(e.early is None for e in (replaced, bumped, gone))
 
 
 def test_gradient_copies_are_queued_before_the_device_step_without_side_streams(

@@ -165,19 +165,23 @@ def step_host_subs(
     subs: Sequence[Sub],
     stream: torch.cuda.Stream | None,
     on_copied: Callable[[Entry], None] | None = None,
+    before: Callable[[int], None] | None = None,
 ) -> dict[str, float]:
     """Step host buckets in order: wait for the gradients, step, queue the copies back.
 
     Bucket by bucket, so that one bucket's copies back cross the link while the host
-    steps the next. ``on_copied`` is called with each entry once its copy back is queued.
+    steps the next. ``before`` is called with each bucket's index before its gradients
+    are taken; ``on_copied`` with each entry once its copy back is queued.
 
     Returns:
         Seconds spent waiting for gradients (``host_wait_s``), in the host optimizers
         (``host_step_s``) and queueing the copies back (``host_copy_back_s``).
     """
     wait = host_step = copy = 0.0
-    for sub in subs:
+    for index, sub in enumerate(subs):
         t0 = time.perf_counter()
+        if before is not None:
+            before(index)
         for entry in sub.entries:
             take_host_grad(entry)
         t1 = time.perf_counter()

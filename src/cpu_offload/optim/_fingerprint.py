@@ -13,7 +13,7 @@ import torch
 
 from ._entries import Entry
 
-__all__ = ["check_early_copies", "fingerprint", "keep_unchanged_early_copies"]
+__all__ = ["EarlyCopyChecks", "fingerprint"]
 
 # Integer dtypes of each element width, to read a tensor's bits element by element:
 # signed (for max and min) and unsigned (zero-extended when widened, for the sum).
@@ -73,51 +73,104 @@ def fingerprint(tensor: torch.Tensor) -> torch.Tensor:
     return torch.stack([total, high.to(torch.int64), low.to(torch.int64)])
 
 
-def check_early_copies(
-    entries: Sequence[Entry],
-) -> tuple[list[Entry], torch.Tensor | None, torch.cuda.Event | None]:
-    """Queue the check of the gradients that have a still-plausible early copy.
+class _BucketCheck:
+    """The check of one bucket's early copies: a host bool per candidate, and its event."""
 
-    Returns the candidates, whether each gradient's fingerprint is unchanged (a host
-    bool tensor, complete once the returned event is) and that event (None off CUDA).
-    Drops the other early copies.
+    def __init__(
+        self,
+        candidates: list[Entry],
+        same: torch.Tensor | None,
+        event: torch.cuda.Event | None,
+    ) -> None:
+        self.candidates = candidates
+        self.same = same
+        self.event = event
+        self.settled = not candidates
+
+
+class EarlyCopyChecks:
+    """Whether each early gradient copy still holds, checked bucket by bucket.
+
+    The checks are queued on the current stream in host-stepping order, one event per
+    bucket, so that the host can step the first bucket as soon as its own check is done
+    rather than after every bucket's. Construction drops the early copies that are
+    already stale (another tensor, another version counter); :meth:`settle` waits for a
+    bucket's check and drops the early copies whose fingerprint changed.
+
+    Args:
+        buckets: The entries of each host bucket, in stepping order.
     """
-    candidates: list[Entry] = []
-    now: list[torch.Tensor] = []
-    for entry in entries:
-        record, entry.early = entry.early, None
-        grad = entry.param.grad
-        if record is None or grad is None:
-            continue
-        if record.grad() is not grad or grad._version != record.version:
-            continue
-        entry.early = record
-        candidates.append(entry)
-        now.append(fingerprint(grad))
-    if not candidates:
-        return [], None, None
-    then = torch.stack([e.early.fingerprint for e in candidates])  # type: ignore[union-attr]
-    same = (torch.stack(now) == then).all(dim=1)
-    if not same.is_cuda:
-        return candidates, same, None
-    # A non-blocking copy and an event, so that the device step can be queued before
-    # the host waits for these (and thereby for the end of backward).
-    same_host = same.to("cpu", non_blocking=True)
-    return candidates, same_host, torch.cuda.current_stream(same.device).record_event()
 
+    def __init__(self, buckets: Sequence[Sequence[Entry]]) -> None:
+        self._checks: list[_BucketCheck] = []
+        self.made = 0  # early copies made in backward
+        self.candidates = 0  # of those, the ones still plausible (same tensor and version)
+        self.kept = 0  # of those, the ones whose fingerprint is unchanged
+        for entries in buckets:
+            candidates: list[Entry] = []
+            now: list[torch.Tensor] = []
+            for entry in entries:
+                record, entry.early = entry.early, None
+                if record is None:
+                    continue
+                self.made += 1
+                grad = entry.param.grad
+                if grad is None:
+                    continue
+                if record.grad() is not grad or grad._version != record.version:
+                    continue
+                entry.early = record
+                candidates.append(entry)
+                now.append(fingerprint(grad))
+            self.candidates += len(candidates)
+            if not candidates:
+                self._checks.append(_BucketCheck([], None, None))
+                continue
+            then = torch.stack([e.early.fingerprint for e in candidates])  # type: ignore[union-attr]
+            same = (torch.stack(now) == then).all(dim=1)
+            event = None
+            if same.is_cuda:
+                # A non-blocking copy and an event: the host waits for this bucket's
+                # check (and thereby for the end of backward) only when it steps it.
+                same = same.to("cpu", non_blocking=True)
+                event = torch.cuda.current_stream(then.device).record_event()
+            self._checks.append(_BucketCheck(candidates, same, event))
 
-def keep_unchanged_early_copies(
-    candidates: Sequence[Entry], same: torch.Tensor | None, event: torch.cuda.Event | None
-) -> int:
-    """Keep the early copies whose gradient's fingerprint is unchanged; count them."""
-    if not candidates or same is None:
-        return 0
-    if event is not None:
-        event.synchronize()
-    kept = 0
-    for entry, ok in zip(candidates, same.tolist(), strict=True):
-        if ok:
-            kept += 1
-        else:
-            entry.early = None
-    return kept
+    def settle(self, index: int) -> list[Entry]:
+        """Decide bucket ``index``'s early copies; return the entries decided now.
+
+        Waits for that bucket's check. If it rejected a copy, the gradients were changed
+        after backward (clipping, unscaling) and later buckets' copies are likely stale
+        too: all remaining checks are decided at once, so that every needed copy can be
+        queued together. Kept entries keep ``entry.early``; rejected ones lose it.
+        """
+        decided: list[Entry] = []
+        if self._settle_one(self._checks[index], decided):
+            for check in self._checks[index + 1 :]:
+                self._settle_one(check, decided)
+        return decided
+
+    def settle_all(self) -> list[Entry]:
+        """Decide every bucket's early copies; return the entries decided now."""
+        decided: list[Entry] = []
+        for check in self._checks:
+            self._settle_one(check, decided)
+        return decided
+
+    def _settle_one(self, check: _BucketCheck, decided: list[Entry]) -> bool:
+        """Decide one bucket; True if it rejected an early copy."""
+        if check.settled:
+            return False
+        check.settled = True
+        if check.event is not None:
+            check.event.synchronize()
+        assert check.same is not None
+        rejected = False
+        for entry, ok in zip(check.candidates, check.same.tolist(), strict=True):
+            if ok:
+                self.kept += 1
+            else:
+                entry.early = None
+                rejected = True
+        decided.extend(check.candidates)
+        return rejected

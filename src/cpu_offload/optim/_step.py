@@ -19,7 +19,7 @@ from cpu_offload._compat import is_current_stream_capturing
 
 from ._copies import send_grad, step_host_subs
 from ._entries import EarlyCopy, Entry, Sub
-from ._fingerprint import check_early_copies, fingerprint, keep_unchanged_early_copies
+from ._fingerprint import EarlyCopyChecks, fingerprint
 from ._forward_overlap import ForwardOverlap
 
 __all__ = ["HybridStepper"]
@@ -85,8 +85,6 @@ class HybridStepper(torch.optim.Optimizer):
 
     def _step_all(self) -> None:
         t_start = time.perf_counter()
-        offloaded = [e for e in self._entries if e.offloaded]
-        early_candidates = sum(1 for e in offloaded if e.early is not None)
         current = (
             torch.cuda.current_stream(self._cuda_device) if self._cuda_device is not None else None
         )
@@ -99,27 +97,28 @@ class HybridStepper(torch.optim.Optimizer):
         # also wait for the device optimizer.
         before_step = current.record_event() if current is not None else None
 
-        # 1. Which early copies still hold the gradient (the check queued first) ...
-        candidates, same, checked = check_early_copies(offloaded)
+        # 1. Which early copies still hold the gradient: checks queued first, one per
+        #    host bucket in stepping order ...
+        checks = EarlyCopyChecks([sub.entries for sub in self._host_subs])
 
         # 2. ... while the device part is queued, to run on the device as the host works.
         #    Gradient copies on the current stream that need no check are queued before
         #    it: behind it, the host would wait for the device step as well as for
         #    backward before it could start stepping.
-        copies_first = self._d2h_stream is None and not candidates
+        copies_first = self._d2h_stream is None and checks.candidates == 0
         if copies_first:
-            self._take_grads(d2h)
+            self._take_grads(d2h, [e for sub in self._host_subs for e in sub.entries])
         if self._device_sub is not None:
             self._step_device()
-        kept = keep_unchanged_early_copies(candidates, same, checked)
-        t_checked = time.perf_counter()
 
-        # 3. Gradients to the host, for every offloaded entry without a valid early copy,
-        #    in host-stepping order; on the side stream, after everything before step().
+        # 3. Gradients to the host, in host-stepping order; on the side stream, after
+        #    everything before step(). Entries with an early copy to check are taken as
+        #    their bucket's check is decided (step 4).
         if self._d2h_stream is not None and before_step is not None:
             self._d2h_stream.wait_event(before_step)
         if not copies_first:
-            self._take_grads(d2h)
+            unchecked = [e for sub in self._host_subs for e in sub.entries if e.early is None]
+            self._take_grads(d2h, unchecked)
 
         # 4. Host buckets: wait for their gradients, step, copy back (pipelined).
         if self._h2d_stream is not None and before_step is not None:
@@ -130,26 +129,31 @@ class HybridStepper(torch.optim.Optimizer):
             # caller's host parameters (whose .grad the host optimizer reads) now.
             later = [s for s in now if all(e.offloaded for e in s.entries)]
             now = [s for s in now if s not in later]
-        host_timings = step_host_subs(now, h2d)
         if later:
+            self._take_grads(d2h, checks.settle_all())
+            host_timings = step_host_subs(now, h2d)
             assert self._overlap is not None
             self._overlap.submit(later, h2d)
-        elif self._h2d_stream is not None and current is not None:
-            # Whatever the caller queues next on the current stream sees the new values.
-            current.wait_stream(self._h2d_stream)
+        else:
+
+            def settle(index: int) -> None:
+                self._take_grads(d2h, checks.settle(index))
+
+            host_timings = step_host_subs(now, h2d, before=settle)
+            if self._h2d_stream is not None and current is not None:
+                # Whatever the caller queues next on the current stream sees the new values.
+                current.wait_stream(self._h2d_stream)
         self.last_step_timings = {
             "step_s": time.perf_counter() - t_start,
-            "check_s": t_checked - t_start,
             **host_timings,
             "host_numel": float(sum(e.param.numel() for e in self._entries if e.host)),
-            "early_copies": float(early_candidates),
-            "early_copies_reused": float(kept),
+            "early_copies": float(checks.made),
+            "early_copies_reused": float(checks.kept),
         }
 
-    def _take_grads(self, stream: torch.cuda.Stream | None) -> None:
-        for sub in self._host_subs:
-            for entry in sub.entries:
-                self._take_grad(entry, stream)
+    def _take_grads(self, stream: torch.cuda.Stream | None, entries: list[Entry]) -> None:
+        for entry in entries:
+            self._take_grad(entry, stream)
 
     def _take_grad(self, entry: Entry, stream: torch.cuda.Stream | None) -> None:
         """Start the gradient's way to the host optimizer (a copy unless early or host)."""
