@@ -6,8 +6,9 @@ pre-hook. These tests check that nothing reads a stale value: after 10 steps wit
 param groups, an LR scheduler, gradient clipping and gradient accumulation, parameters
 are bit-identical to the same optimizer without the option; reads through
 ``state_dict()`` (the optimizer's and the model's) and ``synchronize()`` right after
-``step()`` see the new values; checkpoints resume exactly; a read outside the
-parameter's module fails loudly. CPU tests treat CPU tensors as device parameters (the
+``step()`` see the new values; checkpoints resume exactly; any other read of a
+parameter whose update is in flight waits for it (a parameter of a subclass with a
+``__torch_function__`` of its own fails loudly instead). CPU tests treat CPU tensors as device parameters (the
 host-step thread and the hooks run as on a GPU, copies are synchronous); ``cuda`` tests
 run the real path::
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import io
+import time
 from typing import Any
 
 import pytest
@@ -200,16 +202,103 @@ def test_checkpoint_resume_is_exact(deterministic: None, device: str, fraction: 
     _equal(model, resumed)
 
 
-def test_a_read_outside_any_module_fails_loudly() -> None:
+class _SlowAdamW(torch.optim.AdamW):
+    """A host optimizer slow enough that a read not waiting for it would see old values."""
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        time.sleep(0.05)
+        return super().step(closure)
+
+
+def _slow_pair(fraction: float = 1.0) -> tuple[Any, ...]:
     torch.manual_seed(0)
     model, extra = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
-    params = [*model.parameters(), *extra.parameters()]
-    opt = HybridDeviceOptimizer(params, overlap_host_step_with_forward=True, **_kwargs("cpu", 1.0))
+    ref_model, ref_extra = copy.deepcopy(model), copy.deepcopy(extra)
+    kw = _kwargs("cpu", fraction, cpu_optimizer_cls=_SlowAdamW)
+    opt = HybridDeviceOptimizer(
+        [*model.parameters(), *extra.parameters()], overlap_host_step_with_forward=True, **kw
+    )
+    plain = HybridDeviceOptimizer([*ref_model.parameters(), *ref_extra.parameters()], **kw)
+    return model, extra, opt, ref_model, ref_extra, plain
+
+
+def test_a_read_outside_any_module_sees_the_new_value() -> None:
+    # extra's weight is read by the training loop itself, never by a module: the read
+    # waits for its update, as a module's forward does.
+    model, extra, opt, ref_model, ref_extra, plain = _slow_pair()
+    x = torch.randn(2, 8)
+    for _ in range(3):
+        for m, e, o in ((model, extra, opt), (ref_model, ref_extra, plain)):
+            torch.nn.functional.linear(m(x), e.weight).sum().backward()
+            o.step()
+            o.zero_grad()
+    opt.synchronize()
+    for got, want in zip(
+        [*model.parameters(), *extra.parameters()],
+        [*ref_model.parameters(), *ref_extra.parameters()],
+        strict=True,
+    ):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(
+    "read",
+    [
+        lambda p: p.detach().clone(),
+        lambda p: p.data.clone(),
+        lambda p: p.cpu(),
+        lambda p: p.sum(),
+        lambda p: p.norm(),
+        lambda p: p[0],
+        lambda p: torch.tensor(p.tolist()),
+        lambda p: torch.zeros_like(p).lerp_(p, 0.5),
+    ],
+    ids=["clone", "data", "cpu", "sum", "norm", "index", "tolist", "ema"],
+)
+def test_every_read_right_after_step_waits_for_the_new_value(read: Any) -> None:
+    model, extra, opt, ref_model, _, plain = _slow_pair()
+    x = torch.randn(2, 8)
+    for m, o in ((model, opt), (ref_model, plain)):
+        m(x).sum().backward()
+        o.step()
+    assert opt._overlap is not None and opt._overlap.busy
+    got, want = read(model.weight), read(ref_model.weight)
+    assert type(model.weight) is torch.nn.Parameter  # its own class once it landed
+    assert torch.equal(got, want)
+    opt.synchronize()
+
+
+def test_zero_grad_and_metadata_do_not_wait() -> None:
+    model, extra, opt, *_ = _slow_pair()
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    assert model.weight.shape == (8, 8) and model.weight.requires_grad
+    assert model.weight.grad is None and {model.weight: 1}[model.weight] == 1
+    assert opt._overlap is not None and opt._overlap.busy  # still stepping on the host
+    opt.synchronize()
+    assert not opt._overlap.busy and type(model.weight) is torch.nn.Parameter
+
+
+class _OwnOverride(torch.nn.Parameter):
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_a_subclass_with_its_own_override_still_fails_loudly() -> None:
+    # Its functions are not run with its override off: a read outside any module's
+    # forward is caught where backward reaches it.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    extra = _OwnOverride(torch.randn(8, 8))
+    opt = HybridDeviceOptimizer(
+        [*model.parameters(), extra], overlap_host_step_with_forward=True, **_kwargs("cpu", 1.0)
+    )
     x = torch.randn(2, 8)
 
     def loss() -> torch.Tensor:
-        # extra's weight is read by the training loop itself, never by a module.
-        return torch.nn.functional.linear(model(x), extra.weight).sum()
+        return torch.nn.functional.linear(model(x), extra).sum()
 
     loss().backward()
     opt.step()

@@ -12,7 +12,9 @@ read:
   descendants that ran wait for theirs;
 * ``module.state_dict()`` of those modules (a state-dict pre-hook on each);
 * ``synchronize()``, and through it the optimizer's ``state_dict()``,
-  ``load_state_dict()``, ``add_param_group()`` and the next ``step()``.
+  ``load_state_dict()``, ``add_param_group()`` and the next ``step()``;
+* any other read of a pending parameter's values, anywhere (``_pending``: its class is
+  swapped until it lands, and every torch function on it waits first).
 
 The same hook learns, in the first forward, which modules run and in which order they
 read the parameters; the host buckets follow that order from the first ``step()`` on.
@@ -31,6 +33,7 @@ import torch
 
 from ._copies import step_host_subs
 from ._entries import Entry, Sub
+from ._pending import mark_pending, unmark_pending
 
 __all__ = ["ForwardOverlap", "UnguardedReadError"]
 
@@ -152,6 +155,7 @@ class ForwardOverlap:
         if landed is not None:
             landed.wait()
         self._pending.pop(id(entry.param), None)
+        unmark_pending(entry.param)
         entry.unguarded = False
         if self._error is not None:
             self._raise_error()
@@ -179,6 +183,7 @@ class ForwardOverlap:
         self._future = None
         for entry in self._pending.values():
             entry.unguarded = False
+            unmark_pending(entry.param)
         self._pending.clear()
         raise RuntimeError(
             "the host optimizer step that ran after step() returned failed; the "
@@ -199,13 +204,20 @@ class ForwardOverlap:
                 entry.landed = threading.Event()
                 entry.unguarded = True
                 self._pending[id(entry.param)] = entry
+                mark_pending(entry.param, self.wait, entry)
         self._future = self._executor.submit(self._run, list(subs), h2d)
 
     def _run(self, subs: list[Sub], h2d: torch.cuda.Stream | None) -> dict[str, float]:
         device = torch.cuda.device(self.cuda_device) if self.cuda_device is not None else None
         try:
             # Grad mode is per thread: the copies back write leaf parameters in place.
-            with torch.no_grad(), device if device is not None else nullcontext():
+            # The parameters are pending (``_pending``): this thread writes them
+            # without waiting for itself.
+            with (
+                torch.no_grad(),
+                torch._C.DisableTorchFunctionSubclass(),
+                device if device is not None else nullcontext(),
+            ):
                 return step_host_subs(subs, h2d, on_copied=_mark_landed)
         except BaseException as exc:
             self._error = exc

@@ -113,9 +113,14 @@ class HybridDeviceOptimizer(HybridBuilder):
       the order the first forward read them, copying each back as soon as its bucket is
       done. Every module's forward waits (pre-hook) for exactly the parameters it reads,
       and so do ``module.state_dict()``, this optimizer's ``state_dict()``,
-      ``load_state_dict()`` and next ``step()``, and :meth:`synchronize`. A parameter
-      read outside any module's forward without :meth:`synchronize` makes the backward
-      that reaches it raise. Results are bit-identical to the option off.
+      ``load_state_dict()`` and next ``step()``, and :meth:`synchronize`; so does any
+      other read of a parameter's values (a functional call, ``param.cpu()``, an EMA
+      update): until its update lands, the parameter's class is a subclass of its own
+      whose ``__torch_function__`` waits first (metadata such as ``.grad`` and
+      ``.shape`` does not wait). A parameter of a subclass with its own
+      ``__torch_function__`` keeps its class; a read of it outside its module's forward
+      makes the backward that reaches it raise. Results are bit-identical to the
+      option off.
     * ``offload_last_layers`` (bool, default False): offload the same fraction from the
       end of the parameter list (the layers a forward reads last) instead of Megatron's
       prefix, so that the next forward's first layers are GPU-owned.

@@ -1,0 +1,184 @@
+"""Parameters whose update from the host is still in flight: every read waits for it.
+
+With ``overlap_host_step_with_forward``, ``step()`` returns before the host has stepped
+the offloaded parameters. Module forwards wait for the parameters they read (the global
+pre-hook of ``_forward_overlap``), but a parameter can be read anywhere else too: a
+training loop's functional call, an EMA update, a norm logged between steps,
+``param.cpu()``. Such a read must see the new value, never the old one.
+
+So while its update is pending, a parameter's class is swapped for a subclass of its own
+class whose ``__torch_function__`` first waits for the update (which swaps the class
+back) and then runs the function as usual. Reads of metadata only (``.grad``,
+``.shape``, ``.dtype``, hashing for dict keys, ...) do not wait: ``zero_grad()`` right
+after ``step()`` must not wait for the host step it is meant to overlap.
+
+A parameter of a tensor subclass with a ``__torch_function__`` of its own, or whose
+class cannot be swapped, stays as it is: running its functions with its override off
+could change what they do. A read of it outside its module's forward is still caught
+where backward reaches it (``UnguardedReadError``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["is_pending", "mark_pending", "unmark_pending"]
+
+#: Attribute of a pending parameter: ``(wait, entry)``, weakly held.
+_ATTR = "_cpu_offload_pending_update"
+
+# Pending subclasses, one per parameter class (created on first use), and back.
+_PENDING_CLASSES: dict[type, type] = {}
+_ORIGINAL_CLASSES: dict[type, type] = {}
+
+
+def _metadata_functions() -> frozenset[Any]:
+    """Functions that read no values of a tensor: they never wait."""
+    tensor = torch.Tensor
+    properties = (
+        "grad",
+        "_grad",
+        "requires_grad",
+        "is_leaf",
+        "grad_fn",
+        "shape",
+        "dtype",
+        "device",
+        "layout",
+        "ndim",
+        "_version",
+        "is_cuda",
+        "is_cpu",
+        "is_meta",
+        "is_sparse",
+        "is_quantized",
+        "names",
+        "_base",
+        "_backward_hooks",
+        "_post_accumulate_grad_hooks",
+    )
+    found: set[Any] = set()
+    for name in properties:
+        descriptor = getattr(tensor, name, None)
+        for accessor in ("__get__", "__set__", "__delete__"):
+            function = getattr(descriptor, accessor, None)
+            if function is not None:
+                found.add(function)
+    for name in (
+        "__hash__",
+        "size",
+        "dim",
+        "numel",
+        "stride",
+        "element_size",
+        "is_contiguous",
+        "get_device",
+        "register_hook",
+        "register_post_accumulate_grad_hook",
+        "requires_grad_",
+        "retain_grad",
+    ):
+        function = getattr(tensor, name, None)
+        if function is not None:
+            found.add(function)
+    return frozenset(found)
+
+
+_METADATA: frozenset[Any] = _metadata_functions()
+
+
+def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors_in(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors_in(item)
+
+
+class _PendingUpdate:
+    """Mixin of the pending subclasses: any value read waits for the update first."""
+
+    __slots__ = ()  # the parameter's layout stays its own: its class can be swapped
+
+    @classmethod
+    def __torch_function__(
+        cls,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func not in _METADATA:
+            for tensor in (*_tensors_in(args), *_tensors_in(kwargs)):
+                if is_pending(tensor):
+                    _wait(tensor)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+def _pending_class(cls: type) -> type:
+    pending = _PENDING_CLASSES.get(cls)
+    if pending is None:
+        pending = type(f"_Pending{cls.__name__}", (_PendingUpdate, cls), {"__slots__": ()})
+        _PENDING_CLASSES[cls] = pending
+        _ORIGINAL_CLASSES[pending] = cls
+    return pending
+
+
+def is_pending(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a parameter whose update is still in flight."""
+    return isinstance(tensor, _PendingUpdate)
+
+
+def mark_pending(param: torch.Tensor, wait: Callable[[Any], None], entry: Any) -> bool:
+    """Make every value read of ``param`` call ``wait(entry)`` first, once.
+
+    ``wait`` must end with :func:`unmark_pending` of ``param``.
+
+    Returns:
+        False if ``param`` is left as it is: a subclass with a ``__torch_function__`` of
+        its own, or a class that cannot be swapped.
+    """
+    owner = getattr(wait, "__self__", None)
+    function = getattr(wait, "__func__", None)
+    if owner is None or function is None:
+        raise TypeError("wait must be a bound method (held weakly)")
+    original = type(param)
+    if isinstance(param, _PendingUpdate):
+        return True
+    own = getattr(original, "__torch_function__", None)
+    if original is not torch.Tensor and own is not torch._C._disabled_torch_function_impl:
+        return False  # a subclass's own override: not ours to turn off
+    try:
+        param.__dict__[_ATTR] = (weakref.WeakMethod(wait), weakref.ref(entry))
+        param.__class__ = _pending_class(original)
+    except TypeError:
+        param.__dict__.pop(_ATTR, None)
+        return False
+    return True
+
+
+def unmark_pending(param: torch.Tensor) -> None:
+    """Give ``param`` its own class back (a no-op if it is not pending)."""
+    if isinstance(param, _PendingUpdate):
+        param.__class__ = _ORIGINAL_CLASSES[type(param)]
+    param.__dict__.pop(_ATTR, None)
+
+
+def _wait(param: torch.Tensor) -> None:
+    wait_ref, entry_ref = param.__dict__.get(_ATTR, (None, None))
+    wait = wait_ref() if wait_ref is not None else None
+    entry = entry_ref() if entry_ref is not None else None
+    if wait is None or entry is None:
+        unmark_pending(param)  # the optimizer is gone: nothing will update it
+        return
+    wait(entry)
+    unmark_pending(param)
