@@ -215,6 +215,26 @@ def test_default_variants():
             [DEFAULT_NAMES[0], "0.3, overlap on", "0.3, overlap off"],
         ),
         (["optimizer.optimizer_offload_fraction=0"], ["0 (no offload)"]),
+        (
+            [
+                "optimizer.optimizer_offload_fraction=0.5",
+                "optimizer.overlap_host_step_with_forward=true",
+            ],
+            [
+                "0 (no offload)",
+                "0.5, overlap on, host step under forward",
+                "0.5, overlap off, host step under forward",
+            ],
+        ),
+        (
+            [
+                "optimizer.optimizer_offload_fraction=1.0",
+                "optimizer.overlap_cpu_optimizer_d2h_h2d=true",
+                "optimizer.overlap_host_step_with_forward=true",
+                "optimizer.offload_last_layers=true",
+            ],
+            ["0 (no offload)", "1, overlap on, host step under forward, last layers"],
+        ),
     ],
 )
 def test_optimizer_overrides_narrow_the_default_set(overrides, names):
@@ -235,6 +255,27 @@ def test_other_optimizer_keys_are_taken_as_they_are():
     assert selection.optimizer.optimizer_cls() is torch.optim.SGD
     assert selection.optimizer.hyperparameters()["momentum"] == 0.9
     assert selection.optimizer.pin_cpu_grads is False
+
+
+def test_host_step_under_forward_through_the_overrides_is_exact(tmp_path):
+    # The optimizer section on the CPU stand-in, through the Megatron Bridge overrides:
+    # the host step under the next forward trains to the same parameters and losses.
+    _, data = _run_cli(
+        tmp_path,
+        "--optimizer-only",
+        "optimizer.optimizer_offload_fraction=0.5",
+        "optimizer.overlap_host_step_with_forward=true",
+        "optimizer.offload_last_layers=true",
+    )
+    rows = {r["name"]: r for r in data["optimizer"]["results"]}
+    assert sorted(rows) == [
+        "0 (no offload)",
+        "0.5, overlap off, host step under forward, last layers",
+        "0.5, overlap on, host step under forward, last layers",
+    ]
+    for name, r in rows.items():
+        assert r["max_param_diff"] <= 1e-3 and r["max_loss_diff"] <= 1e-3, name
+        assert r["host_numel"] > 0 or name.startswith("0 ")
 
 
 def test_switches_skip_sections():

@@ -68,6 +68,9 @@ def test_optimizer_fields_and_defaults_are_megatrons() -> None:
         "pin_cpu_grads": True,
         "pin_cpu_params": True,
         "optimizer": "adam",
+        # Ours, beyond Megatron's fields: off by default, as Megatron behaves.
+        "overlap_host_step_with_forward": False,
+        "offload_last_layers": False,
     }
 
 
@@ -469,6 +472,28 @@ def test_build_hybrid_optimizer() -> None:
     assert opt.param_update_in_fp32 is False
     sgd = build_optimizer(_params(), dataclasses.replace(cfg, optimizer="sgd"), lr=0.1)
     assert sgd.cpu_optimizer_cls is torch.optim.SGD  # type: ignore[attr-defined]
+
+
+def test_build_hybrid_optimizer_with_our_schedule_options() -> None:
+    cfg = OptimizerOffloadConfig(
+        optimizer_cpu_offload=True,
+        optimizer_offload_fraction=0.5,
+        overlap_host_step_with_forward=True,
+        offload_last_layers=True,
+    )
+    opt = build_optimizer(_params(), cfg, lr=1e-3)
+    assert isinstance(opt, HybridDeviceOptimizer)
+    assert opt.overlap_host_step_with_forward is True and opt.offload_last_layers is True
+    assert (
+        build_optimizer(
+            _params(), dataclasses.replace(cfg, offload_last_layers=False), lr=1e-3
+        ).offload_last_layers
+        is False
+    )  # type: ignore[attr-defined]
+    with pytest.raises(TypeError, match="OptimizerOffloadConfig.offload_last_layers"):
+        build_optimizer(_params(), cfg, lr=1e-3, offload_last_layers=False)
+    with pytest.raises(TypeError, match="overlap_host_step_with_forward must be a bool"):
+        OptimizerOffloadConfig(overlap_host_step_with_forward="yes")  # type: ignore[arg-type]
 
 
 def test_build_from_bridge_container_and_unknown_optimizer() -> None:

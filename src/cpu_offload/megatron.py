@@ -194,6 +194,12 @@ class OptimizerOffloadConfig:
         pin_cpu_params: Pin the host parameter buffers.
         optimizer: Megatron's optimizer name: ``"adam"`` (AdamW, decoupled weight decay,
             as in Megatron) or ``"sgd"``; checked by :func:`build_optimizer`.
+        overlap_host_step_with_forward: Not Megatron's: the host step finishes under
+            the next forward (:class:`~cpu_offload.optim.HybridDeviceOptimizer`'s option
+            of that name; bit-identical, ``step()`` returns before the offloaded
+            parameters are updated and every read of one waits for it).
+        offload_last_layers: Not Megatron's: offload the fraction from the end of the
+            parameter list instead of its start (the option of that name).
 
     Raises:
         TypeError: A field has the wrong type.
@@ -212,6 +218,8 @@ class OptimizerOffloadConfig:
     pin_cpu_grads: bool = True
     pin_cpu_params: bool = True
     optimizer: str = "adam"
+    overlap_host_step_with_forward: bool = False
+    offload_last_layers: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -587,6 +595,12 @@ def build_optimizer(
     if not cfg.optimizer_cpu_offload:
         return cls(params, **defaults)
     param_update_in_fp32 = defaults.pop("param_update_in_fp32", True)
+    for name in ("overlap_host_step_with_forward", "offload_last_layers"):
+        if name in defaults:
+            raise TypeError(
+                f"build_optimizer: {name} comes from the config "
+                f"(OptimizerOffloadConfig.{name}); do not pass it as a keyword too"
+            )
     return HybridDeviceOptimizer(
         params,
         offload_fraction=cfg.optimizer_offload_fraction,
@@ -596,5 +610,7 @@ def build_optimizer(
         pin_cpu_grads=cfg.pin_cpu_grads,
         pin_cpu_params=cfg.pin_cpu_params,
         overlap_cpu_optimizer_d2h_h2d=cfg.overlap_cpu_optimizer_d2h_h2d,
+        overlap_host_step_with_forward=cfg.overlap_host_step_with_forward,
+        offload_last_layers=cfg.offload_last_layers,
         **defaults,
     )

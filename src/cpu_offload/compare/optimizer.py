@@ -54,26 +54,40 @@ class OptimizerVariant:
         offload_fraction: ``optimizer_offload_fraction``, in ``[0.0, 1.0]``; 0.0 is the
             run without offloading.
         overlap: ``overlap_cpu_optimizer_d2h_h2d`` (no effect at fraction 0).
+        under_forward: ``overlap_host_step_with_forward``: the host step finishes under
+            the next forward (no effect at fraction 0).
+        last_layers: ``offload_last_layers``: the fraction is taken from the end of the
+            parameter list (no effect at fraction 0).
 
     Raises:
         TypeError, ValueError: If ``offload_fraction`` is not a number in ``[0, 1]`` or
-            ``overlap`` is not a bool.
+            a flag is not a bool.
     """
 
     offload_fraction: float
     overlap: bool = True
+    under_forward: bool = False
+    last_layers: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "offload_fraction", check_offload_fraction(self.offload_fraction))
-        if not isinstance(self.overlap, bool):
-            raise TypeError(f"overlap must be a bool, got {type(self.overlap).__name__}")
+        for name in ("overlap", "under_forward", "last_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
     @property
     def name(self) -> str:
-        """The row label: ``"0 (no offload)"`` or e.g. ``"0.25, overlap on"``."""
+        """The row label: ``"0 (no offload)"`` or e.g. ``"0.25, overlap on"``, with
+        ``", host step under forward"`` and ``", last layers"`` where they are on."""
         if self.offload_fraction == 0.0:
             return "0 (no offload)"
-        return f"{self.offload_fraction:g}, overlap {'on' if self.overlap else 'off'}"
+        label = f"{self.offload_fraction:g}, overlap {'on' if self.overlap else 'off'}"
+        if self.under_forward:
+            label += ", host step under forward"
+        if self.last_layers:
+            label += ", last layers"
+        return label
 
 
 def default_optimizer_variants() -> tuple[OptimizerVariant, ...]:
@@ -133,7 +147,9 @@ class OptimizerCompareConfig:
         they set narrows it to that value: ``optimizer_offload_fraction=0.5`` runs 0.5
         with overlap on and off, adding ``overlap_cpu_optimizer_d2h_h2d=true`` runs only
         0.5 with overlap on; a fraction of 0 runs no offloaded configuration. The run
-        without offloading is always first. ``optimizer``, ``pin_cpu_grads`` and
+        without offloading is always first. ``overlap_host_step_with_forward`` and
+        ``offload_last_layers`` (ours, not Megatron's) apply to every offloaded
+        configuration when set. ``optimizer``, ``pin_cpu_grads`` and
         ``pin_cpu_params`` are taken as they are; ``optimizer_cpu_offload`` is the
         caller's to honour (this section compares offloaded configurations).
 
@@ -152,8 +168,14 @@ class OptimizerCompareConfig:
             overlaps: tuple[bool, ...] = (config.overlap_cpu_optimizer_d2h_h2d,)
         else:
             overlaps = (True, False)
+        extra = {
+            "under_forward": config.overlap_host_step_with_forward,
+            "last_layers": config.offload_last_layers,
+        }
         variants = [OptimizerVariant(0.0, overlaps[0])]
-        variants += [OptimizerVariant(f, o) for f in fractions if f > 0.0 for o in overlaps]
+        variants += [
+            OptimizerVariant(f, o, **extra) for f in fractions if f > 0.0 for o in overlaps
+        ]
         return cls(
             variants=tuple(variants),
             optimizer=config.optimizer,
@@ -357,6 +379,8 @@ class _Trainer:
                 self._loss,
                 offload_fraction=variant.offload_fraction,
                 overlap_cpu_optimizer_d2h_h2d=variant.overlap,
+                overlap_host_step_with_forward=variant.under_forward,
+                offload_last_layers=variant.last_layers,
                 param_update_in_fp32=self.config.param_update_in_fp32,
                 steps=steps,
                 warmup=warmup,

@@ -280,6 +280,9 @@ def measure_optimizer(
                 fb_ms.append(start.elapsed_time(after_backward) if cuda else (t1 - t0) * 1e3)
                 host_ms.append(optimizer.last_step_timings.get("host_step_s", 0.0) * 1e3)
                 reused.append(optimizer.last_step_timings.get("early_copies_reused", 0.0))
+        # A host step still running under overlap_host_step_with_forward: done first,
+        # so that the state and the parameters read below are the last step's.
+        optimizer.synchronize()
         state_bytes = optimizer_device_state_bytes(optimizer)
         sides = optimizer_state_bytes(optimizer)
         peak = torch.cuda.max_memory_allocated(device) if cuda else 0
