@@ -109,10 +109,18 @@ class OffloadableLayerState:
     # -- forward ---------------------------------------------------------------------
 
     def push_tensor(self, tensor: torch.Tensor, *, force_base: bool = False) -> int | torch.Tensor:
-        """Take a tensor saved for backward.
+        """Take a tensor saved for backward (the saved-tensor pack hook's work).
+
+        Args:
+            tensor: The tensor autograd saves.
+            force_base: Offload the base tensor this one is a view of, as one unit, and
+                never keep that base on the device (``offload_base_tensor=True``).
 
         Returns:
             An int id if the tensor is a candidate for offloading, else the tensor itself.
+
+        Raises:
+            RuntimeError: If the layer is not collecting tensors (its offload started).
         """
         if self.phase is not LayerPhase.NOT_OFFLOADED:
             self._expect("push_tensor", LayerPhase.NOT_OFFLOADED)

@@ -53,6 +53,13 @@ class Window:
     Positions count the schedule points of one iteration in the order they run: the
     memory is released at point ``start`` and the reload begins at point ``end``, so the
     intervals ending at points ``start + 1`` to ``end`` are the window's.
+
+    Raises:
+        ValueError: If ``start`` is negative or not before ``end``.
+
+    Example:
+        >>> Window(layer=0, start=1, end=4)
+        Window(layer=0, start=1, end=4)
     """
 
     layer: int

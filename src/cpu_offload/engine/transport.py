@@ -10,8 +10,9 @@ or schedules. Two implementations share one interface:
   scheduling, selection and grouping logic run (and be tested) on a machine without a
   GPU. It never accepts CUDA tensors, so it cannot be used for them by mistake.
 
-Host buffers come from a :class:`HostBufferPool` that is reused across training steps,
-so that a steady-state step allocates no new pinned memory.
+Host buffers come from a :class:`~cpu_offload.engine.host_buffers.HostBufferPool` that
+is reused across training steps, so that a steady-state step allocates no new pinned
+memory.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 
 from .._args import check_stream
 from .._compat import OnCudaStream, current_cuda_stream
+from .host_buffers import HostBufferPool
 from .layout import TensorLayout
 
 __all__ = [
@@ -33,72 +35,6 @@ __all__ = [
     "TimedSpan",
     "Transport",
 ]
-
-
-class HostBufferPool:
-    """Host buffers reused across iterations, bucketed by their size in bytes.
-
-    Buffers are raw ``uint8`` tensors; :meth:`view` gives a typed, strided view. The
-    pool never frees memory on its own: releasing a buffer only makes it available to
-    the next :meth:`acquire` of the same size, so a training loop with steady shapes
-    stops allocating after its first step.
-
-    Args:
-        pin_memory: Allocate page-locked memory (needed for asynchronous copies).
-    """
-
-    def __init__(self, pin_memory: bool) -> None:
-        self.pin_memory = pin_memory
-        self._free: dict[int, list[torch.Tensor]] = {}
-        #: Number of buffers allocated so far (grows only when the pool had none free).
-        self.allocations = 0
-        #: Bytes of host memory owned by the pool, free or in use.
-        self.allocated_bytes = 0
-
-    @staticmethod
-    def size_class(nbytes: int) -> int:
-        """The buffer size that serves a request of ``nbytes``.
-
-        Powers of two up to 1 MiB, then steps of an eighth of the power of two below:
-        at most 12.5% is wasted, and a workload whose shapes vary (sequence lengths)
-        reuses a bounded number of buffer sizes instead of one per shape.
-        """
-        if nbytes <= 512:
-            return 512
-        if nbytes <= 1 << 20:
-            return 1 << (nbytes - 1).bit_length()
-        step = (1 << (nbytes.bit_length() - 1)) // 8
-        return -(-nbytes // step) * step
-
-    def acquire(self, nbytes: int) -> torch.Tensor:
-        """A buffer of at least ``nbytes`` bytes (its size class), reused if one is free."""
-        size = self.size_class(nbytes)
-        bucket = self._free.get(size)
-        if bucket:
-            return bucket.pop()
-        self.allocations += 1
-        self.allocated_bytes += size
-        return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin_memory)
-
-    def release(self, buffer: torch.Tensor) -> None:
-        """Give a buffer back for reuse."""
-        self._free.setdefault(buffer.numel(), []).append(buffer)
-
-    def clear(self) -> None:
-        """Drop the free buffers (buffers in use stay with their users)."""
-        for bucket in self._free.values():
-            for buf in bucket:
-                self.allocated_bytes -= buf.numel()
-        self._free.clear()
-
-    @staticmethod
-    def view(buffer: torch.Tensor, layout: TensorLayout) -> torch.Tensor:
-        """``buffer`` seen as a tensor of ``layout`` (same strides as the device tensor)."""
-        # Pool buffers are multiples of 512 bytes (see size_class), so the whole buffer
-        # reinterprets as any dtype: one view and one as_strided, no slice.
-        if buffer.numel() % layout.dtype.itemsize:
-            buffer = buffer[: layout.nbytes]
-        return buffer.view(layout.dtype).as_strided(layout.size, layout.stride)
 
 
 @dataclass(frozen=True)
@@ -180,6 +116,10 @@ class Transport(ABC):
 
         The peak is read, never reset: it belongs to the caller (NOTE [Bytes that pay]
         in ``peak_watch.py``).
+
+        Returns:
+            Bytes, or None where the allocator keeps no statistics (the host stand-in,
+            a pluggable CUDA allocator); the schedule then moves every candidate.
         """
         return None
 
