@@ -241,6 +241,12 @@ def test_a_read_outside_any_module_sees_the_new_value() -> None:
         assert torch.equal(got, want)
 
 
+def _plain_parameter(p: torch.Tensor) -> torch.Tensor:
+    # A copy is a parameter of the own class, not of the pending one.
+    assert type(p) is torch.nn.Parameter
+    return p.detach()
+
+
 @pytest.mark.parametrize(
     "read",
     [
@@ -252,8 +258,10 @@ def test_a_read_outside_any_module_sees_the_new_value() -> None:
         lambda p: p[0],
         lambda p: torch.tensor(p.tolist()),
         lambda p: torch.zeros_like(p).lerp_(p, 0.5),
+        lambda p: _plain_parameter(copy.deepcopy(p)),
+        lambda p: _plain_parameter(_roundtrip(p)),
     ],
-    ids=["clone", "data", "cpu", "sum", "norm", "index", "tolist", "ema"],
+    ids=["clone", "data", "cpu", "sum", "norm", "index", "tolist", "ema", "deepcopy", "save"],
 )
 def test_every_read_right_after_step_waits_for_the_new_value(read: Any) -> None:
     model, extra, opt, ref_model, _, plain = _slow_pair()

@@ -123,6 +123,16 @@ class _PendingUpdate:
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
+    # Copies and pickles read the values, and must neither see the old ones nor carry
+    # the pending class or its weak references: wait, then do it as the own class does.
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        _wait(self)  # type: ignore[arg-type]
+        return self.__deepcopy__(memo)  # the own class's, now
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        _wait(self)  # type: ignore[arg-type]
+        return self.__reduce_ex__(protocol)
+
 
 def _pending_class(cls: type) -> type:
     pending = _PENDING_CLASSES.get(cls)
