@@ -274,8 +274,10 @@ def test_host_step_under_forward_through_the_overrides_is_exact(tmp_path):
         "0.5, overlap on, host step under forward, last layers",
     ]
     for name, r in rows.items():
-        assert r["max_param_diff"] <= 1e-3 and r["max_loss_diff"] <= 1e-3, name
-        assert r["host_numel"] > 0 or name.startswith("0 ")
+        # Both sides step on the CPU here: the same arithmetic wherever a parameter is.
+        assert r["max_param_diff"] == 0.0 and r["max_loss_diff"] == 0.0, name
+        if not name.startswith("0 "):
+            assert r["host_numel"] > 0 and r["host_step_ms"] > 0, name
 
 
 def test_switches_skip_sections():

@@ -540,6 +540,35 @@ def test_gradient_accumulation_with_early_copies(grad_copy_dtype: str) -> None:
     assert opt.last_step_timings["early_copies_reused"] == 4
 
 
+@pytest.mark.parametrize("edited", ["none", "middle", "all"])
+def test_early_copies_checked_bucket_by_bucket_are_exact(
+    monkeypatch: pytest.MonkeyPatch, edited: str
+) -> None:
+    # One bucket per parameter: the host settles each bucket's check as it reaches it,
+    # and a rejection (a gradient changed through .data, which bumps no version) in a
+    # middle bucket decides the later ones at once.
+    import cpu_offload.optim._entries as entries_module
+
+    monkeypatch.setattr(entries_module, "BUCKET_NUMEL", 1)
+    model, ref = _model(), _model()
+    opt = _early(model)
+    plain = _CpuAsDevice(ref.parameters(), offload_fraction=1.0, early_grad_copy=False, **ADAMW)
+    assert len(opt._host_subs) == 4
+    for m, o in ((model, opt), (ref, plain)):
+        gen = torch.Generator().manual_seed(3)
+        for _ in range(2):
+            m(torch.randn(4, 8, generator=gen)).square().mean().backward()
+            params = list(m.parameters())
+            for p in params[1:2] if edited == "middle" else params if edited == "all" else []:
+                assert p.grad is not None
+                p.grad.data.mul_(0.5)
+            o.step()
+            o.zero_grad()
+    assert _same(model, ref)
+    reused = {"none": 4, "middle": 3, "all": 0}[edited]
+    assert opt.last_step_timings["early_copies_reused"] == reused
+
+
 @pytest.mark.parametrize("grad_copy_dtype", ["param", "master"])
 def test_clipping_honoured_with_bf16_masters(grad_copy_dtype: str) -> None:
     # The early copy was widened (on the worker or by the copy itself); clipping after

@@ -18,6 +18,7 @@ run the real path::
 from __future__ import annotations
 
 import copy
+import gc
 import io
 import time
 from typing import Any
@@ -27,6 +28,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cpu_offload.optim import HybridDeviceOptimizer
+from cpu_offload.optim._pending import is_pending
 
 WIDTH = 32
 
@@ -269,7 +271,7 @@ def test_every_read_right_after_step_waits_for_the_new_value(read: Any) -> None:
     for m, o in ((model, opt), (ref_model, plain)):
         m(x).sum().backward()
         o.step()
-    assert opt._overlap is not None and opt._overlap.busy
+    assert is_pending(model.weight)
     got, want = read(model.weight), read(ref_model.weight)
     assert type(model.weight) is torch.nn.Parameter  # its own class once it landed
     assert torch.equal(got, want)
@@ -283,9 +285,122 @@ def test_zero_grad_and_metadata_do_not_wait() -> None:
     opt.zero_grad()
     assert model.weight.shape == (8, 8) and model.weight.requires_grad
     assert model.weight.grad is None and {model.weight: 1}[model.weight] == 1
-    assert opt._overlap is not None and opt._overlap.busy  # still stepping on the host
+    assert model.weight.size(0) == 8 and model.weight.dtype == torch.float32
+    assert is_pending(model.weight)  # nothing above waited for it (a wait unmarks it)
     opt.synchronize()
-    assert not opt._overlap.busy and type(model.weight) is torch.nn.Parameter
+    assert not is_pending(model.weight) and type(model.weight) is torch.nn.Parameter
+
+
+class _Clamped(torch.nn.Parameter):
+    """A parameter whose own override clamps what ``copy_`` writes into it."""
+
+    calls = 0
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.Tensor.copy_:
+            _Clamped.calls += 1
+            args = (args[0], args[1].clamp(-0.05, 0.05), *args[2:])
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_a_subclass_override_runs_as_without_the_option() -> None:
+    results = {}
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 8)
+        weight = _Clamped(torch.randn(8, 8) * 0.01)
+        opt = HybridDeviceOptimizer(
+            [*model.parameters(), weight],
+            overlap_host_step_with_forward=overlap,
+            **_kwargs("cpu", 1.0, lr=0.1),
+        )
+        _Clamped.calls = 0
+        x = torch.randn(2, 8, generator=torch.Generator().manual_seed(1))
+        for _ in range(3):
+            opt.synchronize()  # weight is read outside any module: waited for by hand
+            (model(x) @ weight).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        opt.synchronize()
+        results[overlap] = (weight.detach().clone(), _Clamped.calls)
+    assert results[True][1] == results[False][1] == 3
+    assert torch.equal(results[True][0], results[False][0])
+
+
+class _Tagged(torch.Tensor):
+    seen: list[str] = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        _Tagged.seen.append(getattr(func, "__name__", str(func)))
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_another_subclass_in_the_same_call_keeps_its_override() -> None:
+    model, _, opt, ref_model, _, plain = _slow_pair()
+    x = torch.randn(2, 8)
+    for m, o in ((model, opt), (ref_model, plain)):
+        m(x).sum().backward()
+        o.step()
+    tag = torch.ones(8, 8).as_subclass(_Tagged)
+    _Tagged.seen = []
+    out = torch.add(model.weight, tag)
+    assert type(out) is _Tagged and "add" in _Tagged.seen
+    assert torch.equal(out.as_subclass(torch.Tensor), (ref_model.weight + 1).detach())
+    opt.synchronize()
+
+
+@pytest.mark.parametrize("first_step_eager", [True, False])
+def test_compiled_forwards_wait_and_stay_exact(first_step_eager: bool) -> None:
+    model, extra, opt, ref_model, ref_extra, plain = _slow_pair()
+    compiled = torch.compile(model, backend="eager")
+    for i in range(3):
+        x = torch.randn(2, 8, generator=torch.Generator().manual_seed(i))
+        run = model if (first_step_eager and i == 0) else compiled
+        run(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        ref_model(x).sum().backward()
+        plain.step()
+        plain.zero_grad()
+    opt.synchronize()
+    for got, want in zip(model.parameters(), ref_model.parameters(), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_a_dropped_optimizer_leaves_no_pending_parameter() -> None:
+    model, extra, opt, *_ = _slow_pair()
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    assert is_pending(model.weight)
+    del opt
+    gc.collect()
+    assert type(model.weight) is torch.nn.Parameter and not is_pending(model.weight)
+    assert not model.weight.__dict__  # nothing of the optimizer left on it
+
+
+def test_the_whole_model_pickles_once_its_forward_was_learned() -> None:
+    model, extra, opt, *_ = _slow_pair()
+    for _ in range(2):
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    copy_ = _roundtrip(model)  # while pending: waits, and its hooks travel as no-ops
+    opt.synchronize()
+    for got, want in zip(copy_.parameters(), model.parameters(), strict=True):
+        assert type(got) is torch.nn.Parameter and torch.equal(got, want)
+    assert copy_.state_dict().keys() == model.state_dict().keys()
+
+
+def test_host_step_timings_count_the_work_done_under_the_forward() -> None:
+    model, extra, opt, *_ = _slow_pair()
+    for _ in range(3):
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    # The previous step's host work (a 50 ms sleep per bucket) finished under this one.
+    assert opt.last_step_timings["host_step_s"] >= 0.05
 
 
 class _OwnOverride(torch.nn.Parameter):

@@ -54,7 +54,11 @@ def fingerprint(tensor: torch.Tensor) -> torch.Tensor:
     """
     if tensor.numel() == 0:
         return torch.zeros(3, dtype=torch.int64, device=tensor.device)
-    flat = tensor.detach().reshape(-1)
+    tensor = tensor.detach()
+    if tensor.is_conj() or tensor.is_neg():
+        # Lazy conjugate or negative views: their bits are those of the resolved values.
+        tensor = tensor.resolve_conj().resolve_neg()
+    flat = tensor.reshape(-1)
     size = tensor.element_size()
     ints = flat.view(_INT_VIEW[size]) if size <= 8 else flat.contiguous().view(torch.int64)
     # Wider elements are summed as their 4-byte halves, so that the sum stays exact.

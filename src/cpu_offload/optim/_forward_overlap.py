@@ -31,9 +31,11 @@ from typing import Any
 
 import torch
 
+from cpu_offload._compile import keep_engine_out_of_compile
+
 from ._copies import step_host_subs
 from ._entries import Entry, Sub
-from ._pending import mark_pending, unmark_pending
+from ._pending import mark_pending, unmark_pending, writing
 
 __all__ = ["ForwardOverlap", "UnguardedReadError"]
 
@@ -57,6 +59,11 @@ class _StateDictPreHook:
     def __init__(self, owner: ForwardOverlap) -> None:
         self._owner = weakref.ref(owner)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A pickled or deep-copied model (torch.save(model)) carries its hooks: the copy
+        # has no optimizer to wait for.
+        return (_NoWait, ())
+
     def __call__(self, module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
         owner = self._owner()
         if owner is not None:
@@ -67,6 +74,9 @@ class ForwardOverlap:
     """Pending host updates of one optimizer and the waits for them."""
 
     def __init__(self, cuda_device: torch.device | None) -> None:
+        # Compiled forwards call the pre-hook and read pending parameters: TorchDynamo
+        # must run this package's code as it is, not trace it.
+        keep_engine_out_of_compile()
         self.cuda_device = cuda_device
         self._pending: dict[int, Entry] = {}
         self._entry_by_id: dict[int, Entry] = {}
@@ -81,7 +91,7 @@ class ForwardOverlap:
         self._handles: list[Any] = [
             torch.nn.modules.module.register_module_forward_pre_hook(_ForwardPreHook(self))
         ]
-        weakref.finalize(self, _close, self._handles, self._executor)
+        weakref.finalize(self, _close, self._handles, self._executor, self._pending)
 
     # ------------------------------------------------------------------ entries
 
@@ -213,11 +223,7 @@ class ForwardOverlap:
             # Grad mode is per thread: the copies back write leaf parameters in place.
             # The parameters are pending (``_pending``): this thread writes them
             # without waiting for itself.
-            with (
-                torch.no_grad(),
-                torch._C.DisableTorchFunctionSubclass(),
-                device if device is not None else nullcontext(),
-            ):
+            with torch.no_grad(), writing(), device if device is not None else nullcontext():
                 return step_host_subs(subs, h2d, on_copied=_mark_landed)
         except BaseException as exc:
             self._error = exc
@@ -247,7 +253,23 @@ def _mark_landed(entry: Entry) -> None:
     entry.landed.set()
 
 
-def _close(handles: list[Any], executor: ThreadPoolExecutor) -> None:
+class _NoWait:
+    """What a state-dict pre-hook becomes in a copy of the model: nothing to wait for."""
+
+    def __call__(self, module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
+        pass
+
+
+def _close(handles: list[Any], executor: ThreadPoolExecutor, pending: dict[int, Entry]) -> None:
+    # The worker holds the optimizer's overlap state while it steps, so this runs once
+    # no host step is running (possibly on the worker itself: no join). Parameters no
+    # reader waited for get their own class back once their copies back are done.
+    for entry in pending.values():
+        event = entry.h2d_event
+        if event is not None:
+            event.synchronize()
+        unmark_pending(entry.param)
+    pending.clear()
     for handle in handles:
         handle.remove()
     handles.clear()

@@ -9,7 +9,8 @@ same constructor, split and state-dict contract, with a faster data path:
   master they are widened and narrowed on the GPU by default, otherwise they travel in
   their own dtype (``grad_copy_dtype`` / ``param_copy_dtype`` choose);
 * gradient copies start in backward, from a post-accumulate-grad hook, and are reused in
-  ``step()`` only if the gradient is provably unchanged (see ``_fingerprint``);
+  ``step()`` only if the gradient is unchanged as far as its identity, version counter
+  and an exact checksum of its bits tell (see ``_fingerprint``);
 * host steps are pipelined in buckets with the copies back to the GPU, and the GPU part is
   stepped on the GPU while the host works.
 
@@ -47,6 +48,9 @@ from ._forward_overlap import ForwardOverlap
 from ._split import check_offload_fraction, is_device_tensor, warn_if_nothing_can_be_offloaded
 
 __all__ = ["KEYWORD_OPTIONS", "HybridDeviceOptimizer"]
+
+# Timings of the host buckets' work (``step_host_subs``), wherever it ran.
+_HOST_TIMINGS = frozenset({"host_step_s", "host_wait_s", "host_copy_back_s"})
 
 #: Options :class:`HybridDeviceOptimizer` takes through ``**defaults``: they configure
 #: the optimizer and are not hyperparameters of a param group. ``__init__`` takes them
@@ -114,8 +118,9 @@ class HybridDeviceOptimizer(HybridBuilder):
       done. Every module's forward waits (pre-hook) for exactly the parameters it reads,
       and so do ``module.state_dict()``, this optimizer's ``state_dict()``,
       ``load_state_dict()`` and next ``step()``, and :meth:`synchronize`; so does any
-      other read of a parameter's values (a functional call, ``param.cpu()``, an EMA
-      update): until its update lands, the parameter's class is a subclass of its own
+      other read of a parameter's values through a torch function (a functional call,
+      ``param.cpu()``, an EMA update; not a C++ extension op that bypasses torch
+      functions): until its update lands, the parameter's class is a subclass of its own
       whose ``__torch_function__`` waits first (metadata such as ``.grad`` and
       ``.shape`` does not wait). A parameter of a subclass with its own
       ``__torch_function__`` keeps its class; a read of it outside its module's forward
@@ -231,8 +236,12 @@ class HybridDeviceOptimizer(HybridBuilder):
             is_device_tensor if is_device_param is None else is_device_param
         )
         self.sub_optimizer_kwargs = dict(defaults)
-        #: Timings and counters of the last ``step()`` (seconds and counts).
+        #: Timings and counters of the last ``step()`` (seconds and counts). With
+        #: ``overlap_host_step_with_forward``, the host entries (``host_step_s``,
+        #: ``host_wait_s``, ``host_copy_back_s``) add the host work of the ``step()``
+        #: before, which finished under this step's forward.
         self.last_step_timings: dict[str, float] = {}
+        self._finished_host_timings: dict[str, float] = {}
         self._factory = EntryFactory(
             param_update_in_fp32,
             self.grad_copy_dtype,
@@ -298,6 +307,7 @@ class HybridDeviceOptimizer(HybridBuilder):
         Returns:
             The closure's loss, or None.
         """
+        self._finished_host_timings = {}
         self._wait_for_host_step()  # the state view is rebuilt at the end
         if self._overlap is not None and is_current_stream_capturing():
             raise RuntimeError(
@@ -318,6 +328,9 @@ class HybridDeviceOptimizer(HybridBuilder):
             if self._host_order(self._entries) != stepping:
                 self._build(self._state_by_param())
         self._step_all()
+        for key, value in self._finished_host_timings.items():
+            if key in _HOST_TIMINGS:
+                self.last_step_timings[key] = self.last_step_timings.get(key, 0.0) + value
         self._refresh_state()
         return loss
 
@@ -361,7 +374,8 @@ class HybridDeviceOptimizer(HybridBuilder):
         """Wait for the host step still running from the last ``step()``; True if one was."""
         if self._overlap is None or not self._overlap.busy:
             return False
-        self.last_step_timings.update(self._overlap.wait_all())
+        self._finished_host_timings = self._overlap.wait_all()
+        self.last_step_timings.update(self._finished_host_timings)
         return True
 
     def dummy_step(self) -> None:

@@ -12,6 +12,9 @@ back) and then runs the function as usual. Reads of metadata only (``.grad``,
 ``.shape``, ``.dtype``, hashing for dict keys, ...) do not wait: ``zero_grad()`` right
 after ``step()`` must not wait for the host step it is meant to overlap.
 
+Reads that bypass torch functions (a C++ extension op bound without torch-function
+handling, a pointer taken earlier) are not seen.
+
 A parameter of a tensor subclass with a ``__torch_function__`` of its own, or whose
 class cannot be swapped, stays as it is: running its functions with its override off
 could change what they do. A read of it outside its module's forward is still caught
@@ -20,16 +23,22 @@ where backward reaches it (``UnguardedReadError``).
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
-__all__ = ["is_pending", "mark_pending", "unmark_pending"]
+__all__ = ["is_pending", "mark_pending", "unmark_pending", "writing"]
 
 #: Attribute of a pending parameter: ``(wait, entry)``, weakly held.
 _ATTR = "_cpu_offload_pending_update"
+
+# Set on the thread that steps the host buckets: its writes into pending parameters
+# must not wait for themselves (see :func:`writing`).
+_WRITER = threading.local()
 
 # Pending subclasses, one per parameter class (created on first use), and back.
 _PENDING_CLASSES: dict[type, type] = {}
@@ -57,7 +66,6 @@ def _metadata_functions() -> frozenset[Any]:
         "is_sparse",
         "is_quantized",
         "names",
-        "_base",
         "_backward_hooks",
         "_post_accumulate_grad_hooks",
     )
@@ -116,12 +124,17 @@ class _PendingUpdate:
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if func not in _METADATA:
-            for tensor in (*_tensors_in(args), *_tensors_in(kwargs)):
-                if is_pending(tensor):
-                    _wait(tensor)
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+        if func in _METADATA or getattr(_WRITER, "active", False):
+            # No wait: metadata only, or the host-step thread writing the new values.
+            # The pending parameter's own class has no override to skip here.
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        for tensor in (*_tensors_in(args), *_tensors_in(kwargs)):
+            if is_pending(tensor):
+                _wait(tensor)
+        # Every pending argument has its own class back: the call dispatches as it
+        # would have without this option (other subclasses' overrides included).
+        return func(*args, **kwargs)
 
     # Copies and pickles read the values, and must neither see the old ones nor carry
     # the pending class or its weak references: wait, then do it as the own class does.
@@ -132,6 +145,19 @@ class _PendingUpdate:
     def __reduce_ex__(self, protocol: Any) -> Any:
         _wait(self)  # type: ignore[arg-type]
         return self.__reduce_ex__(protocol)
+
+
+@contextmanager
+def writing() -> Iterator[None]:
+    """On this thread, torch functions on pending parameters run without waiting.
+
+    For the thread that steps the host buckets and writes the parameters' new values.
+    """
+    _WRITER.active = True
+    try:
+        yield
+    finally:
+        _WRITER.active = False
 
 
 def _pending_class(cls: type) -> type:
