@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import gc
 import io
+import threading
 import time
 from typing import Any
 
@@ -275,6 +276,32 @@ def test_every_read_right_after_step_waits_for_the_new_value(read: Any) -> None:
     got, want = read(model.weight), read(ref_model.weight)
     assert type(model.weight) is torch.nn.Parameter  # its own class once it landed
     assert torch.equal(got, want)
+    opt.synchronize()
+
+
+def test_threads_reading_one_pending_parameter_all_wait() -> None:
+    model, extra, opt, ref_model, _, plain = _slow_pair()
+    x = torch.randn(2, 8)
+    for m, o in ((model, opt), (ref_model, plain)):
+        m(x).sum().backward()
+        o.step()
+    results: list[torch.Tensor] = []
+    errors: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            results.append(model.weight.detach().clone())
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=read) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors and len(results) == 4
+    assert all(torch.equal(r, ref_model.weight.detach()) for r in results)
+    assert type(model.weight) is torch.nn.Parameter
     opt.synchronize()
 
 

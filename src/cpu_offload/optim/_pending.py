@@ -204,8 +204,11 @@ def mark_pending(param: torch.Tensor, wait: Callable[[Any], None], entry: Any) -
 
 def unmark_pending(param: torch.Tensor) -> None:
     """Give ``param`` its own class back (a no-op if it is not pending)."""
-    if isinstance(param, _PendingUpdate):
-        param.__class__ = _ORIGINAL_CLASSES[type(param)]
+    # Two readers on two threads may both get here: whichever comes second finds the
+    # own class already back (not a pending class) and leaves it.
+    original = _ORIGINAL_CLASSES.get(type(param))
+    if original is not None:
+        param.__class__ = original
     param.__dict__.pop(_ATTR, None)
 
 
