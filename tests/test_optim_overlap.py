@@ -213,11 +213,12 @@ class _SlowAdamW(torch.optim.AdamW):
         return super().step(closure)
 
 
-def _slow_pair(fraction: float = 1.0) -> tuple[Any, ...]:
+def _slow_pair(fraction: float = 1.0, device: str = "cpu") -> tuple[Any, ...]:
     torch.manual_seed(0)
-    model, extra = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+    model = torch.nn.Linear(8, 8, device=device)
+    extra = torch.nn.Linear(8, 8, device=device)
     ref_model, ref_extra = copy.deepcopy(model), copy.deepcopy(extra)
-    kw = _kwargs("cpu", fraction, cpu_optimizer_cls=_SlowAdamW)
+    kw = _kwargs(device, fraction, cpu_optimizer_cls=_SlowAdamW)
     opt = HybridDeviceOptimizer(
         [*model.parameters(), *extra.parameters()], overlap_host_step_with_forward=True, **kw
     )
@@ -225,11 +226,12 @@ def _slow_pair(fraction: float = 1.0) -> tuple[Any, ...]:
     return model, extra, opt, ref_model, ref_extra, plain
 
 
-def test_a_read_outside_any_module_sees_the_new_value() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_read_outside_any_module_sees_the_new_value(device: str) -> None:
     # extra's weight is read by the training loop itself, never by a module: the read
     # waits for its update, as a module's forward does.
-    model, extra, opt, ref_model, ref_extra, plain = _slow_pair()
-    x = torch.randn(2, 8)
+    model, extra, opt, ref_model, ref_extra, plain = _slow_pair(device=device)
+    x = torch.randn(2, 8, device=device)
     for _ in range(3):
         for m, e, o in ((model, extra, opt), (ref_model, ref_extra, plain)):
             torch.nn.functional.linear(m(x), e.weight).sum().backward()
@@ -266,9 +268,12 @@ def _plain_parameter(p: torch.Tensor) -> torch.Tensor:
     ],
     ids=["clone", "data", "cpu", "sum", "norm", "index", "tolist", "ema", "deepcopy", "save"],
 )
-def test_every_read_right_after_step_waits_for_the_new_value(read: Any) -> None:
-    model, extra, opt, ref_model, _, plain = _slow_pair()
-    x = torch.randn(2, 8)
+@pytest.mark.parametrize("device", DEVICES)
+def test_every_read_right_after_step_waits_for_the_new_value(read: Any, device: str) -> None:
+    # On CUDA the copy back runs on a side stream: the read waits for the host step and
+    # orders the current stream after the copy.
+    model, extra, opt, ref_model, _, plain = _slow_pair(device=device)
+    x = torch.randn(2, 8, device=device)
     for m, o in ((model, opt), (ref_model, plain)):
         m(x).sum().backward()
         o.step()
