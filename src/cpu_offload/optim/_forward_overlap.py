@@ -79,6 +79,9 @@ class ForwardOverlap:
         keep_engine_out_of_compile()
         self.cuda_device = cuda_device
         self._pending: dict[int, Entry] = {}
+        # Marking a parameter pending (step()) and giving it its class back (a reader,
+        # possibly on another thread) change _pending and the class together.
+        self._marks = threading.Lock()
         self._entry_by_id: dict[int, Entry] = {}
         self._order: dict[int, int] = {}  # id(param) -> first-read position in a forward
         # id(module) -> ids of the parameters it waits for (entries change on rebuilds)
@@ -164,8 +167,14 @@ class ForwardOverlap:
         landed = entry.landed
         if landed is not None:
             landed.wait()
-        self._pending.pop(id(entry.param), None)
-        unmark_pending(entry.param)
+        # Only this update's mark goes: a reader that waited for one step's update must
+        # not unmark the next step's (``landed`` is new for every update). A mark with
+        # nothing pending behind it is stale and goes too.
+        with self._marks:
+            current = self._pending.get(id(entry.param))
+            if current is None or (current is entry and entry.landed is landed):
+                self._pending.pop(id(entry.param), None)
+                unmark_pending(entry.param)
         entry.unguarded = False
         if self._error is not None:
             self._raise_error()
@@ -191,10 +200,11 @@ class ForwardOverlap:
         # Reported once: nothing stays pending behind a failed host step.
         error, self._error = self._error, None
         self._future = None
-        for entry in self._pending.values():
-            entry.unguarded = False
-            unmark_pending(entry.param)
-        self._pending.clear()
+        with self._marks:
+            for entry in self._pending.values():
+                entry.unguarded = False
+                unmark_pending(entry.param)
+            self._pending.clear()
         raise RuntimeError(
             "the host optimizer step that ran after step() returned failed; the "
             "offloaded parameters were not all updated"
@@ -209,12 +219,13 @@ class ForwardOverlap:
 
     def submit(self, subs: Sequence[Sub], h2d: torch.cuda.Stream | None) -> None:
         """Step ``subs`` on the worker, in order, each entry's copy back as it is done."""
-        for sub in subs:
-            for entry in sub.entries:
-                entry.landed = threading.Event()
-                entry.unguarded = True
-                self._pending[id(entry.param)] = entry
-                mark_pending(entry.param, self.wait, entry)
+        with self._marks:
+            for sub in subs:
+                for entry in sub.entries:
+                    entry.landed = threading.Event()
+                    entry.unguarded = True
+                    self._pending[id(entry.param)] = entry
+                    mark_pending(entry.param, self.wait, entry)
         self._future = self._executor.submit(self._run, list(subs), h2d)
 
     def _run(self, subs: list[Sub], h2d: torch.cuda.Stream | None) -> dict[str, float]:

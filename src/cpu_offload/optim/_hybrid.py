@@ -239,7 +239,8 @@ class HybridDeviceOptimizer(HybridBuilder):
         #: Timings and counters of the last ``step()`` (seconds and counts). With
         #: ``overlap_host_step_with_forward``, the host entries (``host_step_s``,
         #: ``host_wait_s``, ``host_copy_back_s``) add the host work of the ``step()``
-        #: before, which finished under this step's forward.
+        #: before, which finished under this step's forward (the last step's own is
+        #: reported by the next ``step()``).
         self.last_step_timings: dict[str, float] = {}
         self._finished_host_timings: dict[str, float] = {}
         self._factory = EntryFactory(
@@ -307,7 +308,6 @@ class HybridDeviceOptimizer(HybridBuilder):
         Returns:
             The closure's loss, or None.
         """
-        self._finished_host_timings = {}
         self._wait_for_host_step()  # the state view is rebuilt at the end
         if self._overlap is not None and is_current_stream_capturing():
             raise RuntimeError(
@@ -328,9 +328,12 @@ class HybridDeviceOptimizer(HybridBuilder):
             if self._host_order(self._entries) != stepping:
                 self._build(self._state_by_param())
         self._step_all()
+        # The host work of the step before, which finished under this step's forward
+        # (waited for here or by a synchronize() in between).
         for key, value in self._finished_host_timings.items():
             if key in _HOST_TIMINGS:
                 self.last_step_timings[key] = self.last_step_timings.get(key, 0.0) + value
+        self._finished_host_timings = {}
         self._refresh_state()
         return loss
 
@@ -375,7 +378,6 @@ class HybridDeviceOptimizer(HybridBuilder):
         if self._overlap is None or not self._overlap.busy:
             return False
         self._finished_host_timings = self._overlap.wait_all()
-        self.last_step_timings.update(self._finished_host_timings)
         return True
 
     def dummy_step(self) -> None:

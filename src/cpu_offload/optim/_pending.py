@@ -177,7 +177,8 @@ def is_pending(tensor: torch.Tensor) -> bool:
 def mark_pending(param: torch.Tensor, wait: Callable[[Any], None], entry: Any) -> bool:
     """Make every value read of ``param`` call ``wait(entry)`` first, once.
 
-    ``wait`` must end with :func:`unmark_pending` of ``param``.
+    ``wait`` must end with :func:`unmark_pending` of ``param`` (unless the parameter was
+    marked again for a later update meanwhile).
 
     Returns:
         False if ``param`` is left as it is: a subclass with a ``__torch_function__`` of
@@ -219,5 +220,4 @@ def _wait(param: torch.Tensor) -> None:
     if wait is None or entry is None:
         unmark_pending(param)  # the optimizer is gone: nothing will update it
         return
-    wait(entry)
-    unmark_pending(param)
+    wait(entry)  # unmarks it, unless a later step marked it again meanwhile
