@@ -226,6 +226,15 @@ def _slow_pair(fraction: float = 1.0, device: str = "cpu") -> tuple[Any, ...]:
     return model, extra, opt, ref_model, ref_extra, plain
 
 
+def _step_reference_then_overlapped(x: torch.Tensor, pair: tuple[Any, ...]) -> None:
+    """One step of the reference, then of the overlapped optimizer, whose host step
+    (50 ms) then still runs when the test reads."""
+    model, _, opt, ref_model, _, plain = pair
+    for m, o in ((ref_model, plain), (model, opt)):
+        m(x).sum().backward()
+        o.step()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_read_outside_any_module_sees_the_new_value(device: str) -> None:
     # extra's weight is read by the training loop itself, never by a module: the read
@@ -272,12 +281,9 @@ def _plain_parameter(p: torch.Tensor) -> torch.Tensor:
 def test_every_read_right_after_step_waits_for_the_new_value(read: Any, device: str) -> None:
     # On CUDA the copy back runs on a side stream: the read waits for the host step and
     # orders the current stream after the copy.
-    model, extra, opt, ref_model, _, plain = _slow_pair(device=device)
-    x = torch.randn(2, 8, device=device)
-    # The reference first: the overlapped host step (50 ms) still runs at the read.
-    for m, o in ((ref_model, plain), (model, opt)):
-        m(x).sum().backward()
-        o.step()
+    pair = _slow_pair(device=device)
+    model, extra, opt, ref_model, _, plain = pair
+    _step_reference_then_overlapped(torch.randn(2, 8, device=device), pair)
     assert is_pending(model.weight)
     got, want = read(model.weight), read(ref_model.weight)
     assert type(model.weight) is torch.nn.Parameter  # its own class once it landed
@@ -286,11 +292,9 @@ def test_every_read_right_after_step_waits_for_the_new_value(read: Any, device: 
 
 
 def test_threads_reading_one_pending_parameter_all_wait() -> None:
-    model, extra, opt, ref_model, _, plain = _slow_pair()
-    x = torch.randn(2, 8)
-    for m, o in ((ref_model, plain), (model, opt)):  # the overlapped step still runs
-        m(x).sum().backward()
-        o.step()
+    pair = _slow_pair()
+    model, extra, opt, ref_model, _, plain = pair
+    _step_reference_then_overlapped(torch.randn(2, 8), pair)
     results: list[torch.Tensor] = []
     errors: list[BaseException] = []
 
@@ -371,11 +375,9 @@ class _Tagged(torch.Tensor):
 
 
 def test_another_subclass_in_the_same_call_keeps_its_override() -> None:
-    model, _, opt, ref_model, _, plain = _slow_pair()
-    x = torch.randn(2, 8)
-    for m, o in ((model, opt), (ref_model, plain)):
-        m(x).sum().backward()
-        o.step()
+    pair = _slow_pair()
+    model, _, opt, ref_model, _, plain = pair
+    _step_reference_then_overlapped(torch.randn(2, 8), pair)
     tag = torch.ones(8, 8).as_subclass(_Tagged)
     _Tagged.seen = []
     out = torch.add(model.weight, tag)
@@ -407,13 +409,11 @@ def test_compiled_forwards_wait_and_stay_exact(first_step_eager: bool) -> None:
 
 
 def test_a_dropped_optimizer_leaves_no_pending_parameter() -> None:
-    model, extra, opt, ref_model, _, plain = _slow_pair()
-    x = torch.randn(2, 8)
-    for m, o in ((model, opt), (ref_model, plain)):
-        m(x).sum().backward()
-        o.step()
+    pair = _slow_pair()
+    model, extra, opt, ref_model, _, plain = pair
+    _step_reference_then_overlapped(torch.randn(2, 8), pair)
     assert is_pending(model.weight) and is_pending(model.bias)
-    del opt
+    del opt, pair  # the pair held it too
     gc.collect()
     # Its host step still runs: a read waits for it and sees the new value.
     assert torch.equal(model.weight.detach().clone(), ref_model.weight.detach())
