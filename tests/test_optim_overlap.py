@@ -175,6 +175,32 @@ def test_reads_right_after_step_see_the_new_values(
         assert torch.equal(g, w)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("last", [False, True], ids=["prefix", "suffix"])
+@pytest.mark.parametrize("clip", [False, True], ids=["kept", "clipped"])
+def test_auto_copies_early_only_the_gradients_behind_device_layers(
+    deterministic: None, device: str, last: bool, clip: bool
+) -> None:
+    # The host steps in forward order: an early copy pays only for a parameter read
+    # after a device-stepped one (offload_last_layers), whose gradient backward produces
+    # while the device layers' backward still runs.
+    model = _model(device, torch.bfloat16)
+    ref = copy.deepcopy(model)
+    kw = _kwargs(device, 0.5, offload_last_layers=last)
+    opt = HybridDeviceOptimizer(_groups(model), overlap_host_step_with_forward=True, **kw)
+    opt._early_min_numel = 0  # this model's gradients are all small
+    plain = HybridDeviceOptimizer(_groups(ref), early_grad_copy=False, **kw)
+    batches = _batches(device, torch.bfloat16, 6)
+    _train(model, opt, batches, micro=1, clip=clip)
+    _train(ref, plain, batches, micro=1, clip=clip)
+    opt.synchronize()
+    _equal(model, ref)
+    timings = opt.last_step_timings
+    offloaded = sum(opt.offload_mask)
+    assert timings["early_copies"] == (offloaded if last else 0)
+    assert timings["early_copies_reused"] == (0 if clip or not last else offloaded)
+
+
 def _roundtrip(obj: Any) -> Any:
     buf = io.BytesIO()
     torch.save(obj, buf)

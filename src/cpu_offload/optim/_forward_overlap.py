@@ -84,6 +84,7 @@ class ForwardOverlap:
         self._marks = threading.Lock()
         self._entry_by_id: dict[int, Entry] = {}
         self._order: dict[int, int] = {}  # id(param) -> first-read position in a forward
+        self._first_device_read: int | None = None  # of a parameter stepped on the device
         # id(module) -> ids of the parameters it waits for (entries change on rebuilds)
         self._guards: dict[int, list[int]] = {}
         self._seen: dict[int, torch.nn.Module] = {}  # modules run while learning
@@ -102,6 +103,24 @@ class ForwardOverlap:
         """Watch the parameters of ``entries`` (after a rebuild; nothing may be pending)."""
         assert not self._pending
         self._entry_by_id = {id(e.param): e for e in entries}
+        self._note_first_device_read()
+
+    def _note_first_device_read(self) -> None:
+        device_reads = [
+            self._order[key]
+            for key, e in self._entry_by_id.items()
+            if not e.host and key in self._order
+        ]
+        self._first_device_read = min(device_reads, default=None)
+
+    def read_after_device_param(self, entry: Entry) -> bool:
+        """Whether a forward reads a parameter stepped on the device before ``entry``'s.
+
+        False until the first forward showed the order.
+        """
+        position = self._order.get(id(entry.param))
+        first = self._first_device_read
+        return position is not None and first is not None and position > first
 
     def forward_position(self, entry: Entry) -> int | None:
         """Where a forward first read the entry's parameter (None: not seen)."""
@@ -159,6 +178,7 @@ class ForwardOverlap:
                 # model.state_dict() reads the parameters too: it waits for them as well.
                 hook = module.register_state_dict_pre_hook(_StateDictPreHook(self))
                 self._handles.append(hook)
+        self._note_first_device_read()
 
     # ------------------------------------------------------------------ waiting
 

@@ -87,10 +87,11 @@ class HybridDeviceOptimizer(HybridBuilder):
 
     Beyond Megatron's, six keyword arguments are taken out of ``**defaults``:
 
-    * ``early_grad_copy`` (bool or ``"auto"``, default ``"auto"``: True unless
-      ``overlap_host_step_with_forward``): with ``overlap_cpu_optimizer_d2h_h2d``,
-      start each offloaded gradient's copy to the host as soon as backward has
-      accumulated it. ``step()`` reuses the copy only if ``param.grad`` is the same tensor
+    * ``early_grad_copy`` (bool or ``"auto"``, default ``"auto"``: True; with
+      ``overlap_host_step_with_forward``, True only for parameters that the forward
+      reads after one stepped on the device, see below): with
+      ``overlap_cpu_optimizer_d2h_h2d``, start each offloaded gradient's copy to the
+      host as soon as backward has accumulated it. ``step()`` reuses the copy only if ``param.grad`` is the same tensor
       with the same version counter and the same content checksum as when it was copied,
       so clipping, unscaling, all-reduce or any other change made between backward and
       ``step()`` is honoured (the gradient is then copied again). Turn it off when the
@@ -207,9 +208,8 @@ class HybridDeviceOptimizer(HybridBuilder):
         if early != "auto":
             check_bool("early_grad_copy", early)
         overlap_forward = pop_flag(options, "overlap_host_step_with_forward", False)
-        # "auto": off when the host steps in forward order, which needs the gradients
-        # backward produces last (the first layers') first, so copies started earlier
-        # in backward would only slow it down; on otherwise.
+        # "auto" with overlap_host_step_with_forward is decided per parameter once the
+        # first forward showed the read order (HybridStepper._copies_early).
         early_grad_copy = (not overlap_forward) if early == "auto" else bool(early)
         offload_last_layers = pop_flag(options, "offload_last_layers", False)
         copy_dtypes = {
@@ -227,6 +227,7 @@ class HybridDeviceOptimizer(HybridBuilder):
         self.pin_cpu_params = pin_cpu_params
         self.overlap_cpu_optimizer_d2h_h2d = overlap_cpu_optimizer_d2h_h2d
         self.early_grad_copy = early_grad_copy
+        self._early_auto = early == "auto"
         self.overlap_host_step_with_forward = overlap_forward
         self.offload_last_layers = offload_last_layers
         self.grad_copy_dtype: CopyDtype = copy_dtypes["grad_copy_dtype"]

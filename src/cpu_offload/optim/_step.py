@@ -34,6 +34,7 @@ class HybridStepper(torch.optim.Optimizer):
     pin_cpu_grads: bool
     overlap_cpu_optimizer_d2h_h2d: bool
     early_grad_copy: bool
+    _early_auto: bool  # early_grad_copy was "auto"
     last_step_timings: dict[str, float]
     _executor: ThreadPoolExecutor | None
     _generation: int
@@ -64,7 +65,7 @@ class HybridStepper(torch.optim.Optimizer):
             return
         if self._overlap is not None:
             self._overlap.check_read(entry)
-            if not (self.overlap_cpu_optimizer_d2h_h2d and self.early_grad_copy):
+            if not (self.overlap_cpu_optimizer_d2h_h2d and self._copies_early(entry)):
                 return
         grad = entry.param.grad
         if grad is None or grad.is_sparse:
@@ -80,6 +81,22 @@ class HybridStepper(torch.optim.Optimizer):
             stream.wait_stream(torch.cuda.current_stream(grad.device))
         event, widened = send_grad(entry, grad, stream, self.pin_cpu_grads, self._worker())
         entry.early = EarlyCopy(weakref.ref(grad), grad._version, event, taken, widened)
+
+    def _copies_early(self, entry: Entry) -> bool:
+        """With ``overlap_host_step_with_forward``: whether ``entry``'s gradient is copied early.
+
+        The host steps in forward order, so its first bucket needs the gradients that
+        backward produces last. ``"auto"`` copies early only the gradients of parameters
+        the forward reads after a parameter stepped on the device (the offloaded last
+        layers of ``offload_last_layers``): backward produces them while the device
+        layers' backward still runs, so their copies finish behind it and the host can
+        start at once. Where every earlier parameter is offloaded too, an early copy
+        would not let the host start any sooner, and its checks would cost backward time.
+        """
+        if not self._early_auto:
+            return self.early_grad_copy
+        assert self._overlap is not None
+        return self._overlap.read_after_device_param(entry)
 
     # ------------------------------------------------------------------ the step
 
