@@ -367,10 +367,12 @@ def side_by_side(
         if fraction == 0.0:
             candidates = candidates[:2]
         # Rounds alternate the candidates, so that a drift of the host (its memory
-        # bandwidth bounds the host step) reaches all of them alike.
+        # bandwidth bounds the host step) reaches all of them alike; each round starts
+        # one candidate later, so that none always holds the same place in a round.
         per_round: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in candidates}
-        for _ in range(args.rounds):
-            for name, cls, extra in candidates:
+        for round_index in range(args.rounds):
+            shift = round_index % len(candidates)
+            for name, cls, extra in candidates[shift:] + candidates[:shift]:
                 model = build_model(args.hidden, args.blocks, device)
                 params = list(model.parameters())
                 result = time_training(
