@@ -379,3 +379,58 @@ def test_a_kept_base_read_again_while_held_or_after():
     del got, views
     with pytest.raises(RuntimeError, match="read again after every tensor"):
         state.pop_tensor(ids[1])
+
+
+# -- a byte budget: other units kept on the device (NOTE [Bytes that pay]) ----------------
+
+
+def _budget_state(
+    budget: int, tensors: list[torch.Tensor]
+) -> tuple[OffloadableLayerState, list[int]]:
+    state = _state()
+    state.keep_budget = budget
+    ids = [state.push_tensor(t) for t in tensors]
+    _to(state, "reload_started")
+    return state, ids
+
+
+def test_a_budget_keeps_the_largest_units_that_fit():
+    tensors = _tensors(shapes=((256, 1024), (128, 1024), (64, 1024), (8, 8)))
+    sizes = [t.nbytes for t in tensors]  # 1 MiB, 512 KiB, 256 KiB, 256 B
+    state, ids = _budget_state(sizes[1] + sizes[2] + sizes[3], tensors)
+    # The 1 MiB unit does not fit; the next ones do, largest first.
+    assert state.budget_kept_bytes == sizes[1] + sizes[2] + sizes[3]
+    assert state.moved_bytes == sizes[0] == state.transport.bytes_offloaded
+    for i, t in zip(ids, tensors, strict=True):
+        got = state.pop_tensor(i)
+        assert torch.equal(got, t) and got.stride() == t.stride()
+        assert (got.data_ptr() == t.data_ptr()) == (t is not tensors[0])  # kept: itself
+
+
+def test_a_budget_of_zero_or_below_every_unit_moves_everything():
+    tensors = _tensors()
+    for budget in (0, tensors[2].nbytes - 1):
+        state, _ = _budget_state(budget, tensors)
+        assert state.budget_kept_bytes == 0
+        assert state.transport.bytes_offloaded == sum(t.nbytes for t in tensors)
+
+
+def test_units_kept_by_budget_still_refuse_an_in_place_change():
+    tensors = _tensors()
+    state, ids = _budget_state(sum(t.nbytes for t in tensors), tensors)
+    assert state.transport.bytes_offloaded == 0
+    with torch.no_grad():
+        tensors[1].add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        state.pop_tensor(ids[1])
+    assert torch.equal(state.pop_tensor(ids[0]), tensors[0])
+
+
+def test_a_unit_kept_by_budget_goes_at_its_last_read():
+    t = torch.randn(64, 64)
+    gone = weakref.ref(t)
+    state, ids = _budget_state(t.nbytes, [t])
+    del t
+    got = state.pop_tensor(ids[0])
+    del got
+    assert gone() is None

@@ -12,7 +12,7 @@ import pytest
 from helpers import assert_bit_equal, step
 
 from cpu_offload import HostTransport, v2
-from cpu_offload.engine.peak_watch import PeakWatch, Window
+from cpu_offload.engine.peak_watch import BUDGET_MARGIN_SHARE, PeakWatch, Window
 from cpu_offload.models import ModelSpec, build_layers
 
 # -- the watch alone -----------------------------------------------------------------------
@@ -40,17 +40,19 @@ def _run(
     candidates: dict[int, int],
     before: int = 0,
     after: int = 0,
+    units: dict[int, tuple[int, int]] | None = None,
 ) -> set[int]:
     """One iteration whose interval ``t`` (ending at point ``t``) peaks at
     ``interval_peaks[t]``; ``before`` is the running peak when it begins, ``after`` the
-    peak between its last point and the next iteration."""
+    peak between its last point and the next iteration; ``units``: per layer, the bytes
+    of other units its budget kept and moved."""
     reads.value = before
     watch.begin()
     for t, peak in enumerate(interval_peaks):
         reads.value = max(reads.value, peak)
         watch.mark(t)  # a point the watch does not want is not read
     reads.value = max(reads.value, after)
-    return set(watch.end(candidates))
+    return set(watch.end(candidates, units))
 
 
 def test_peak_after_every_window_keeps_what_fits():
@@ -181,6 +183,97 @@ def test_what_is_kept_never_raises_the_peak(seed):
             assert any(running[t] + extra(t) + candidates[w.layer] > step_peak for t in span)
 
 
+# -- budgets: other units kept where the room allows ---------------------------------------
+
+# Peaks of 12800 make the margin 12800 // BUDGET_MARGIN_SHARE = 100 (slack 0).
+PEAK = 12800
+MARGIN = PEAK // BUDGET_MARGIN_SHARE
+
+
+def test_budgets_take_the_room_left_innermost_first():
+    # Nested windows: layer 1's (2, 3] inside layer 0's (0, 4]; the step peaks after both.
+    watch, reads = _watch([Window(0, 0, 4), Window(1, 1, 3)], 6)
+    profile = [0, PEAK - 1000, PEAK - 700, PEAK - 900, PEAK - 600, PEAK]
+    _run(watch, reads, profile, {}, units={0: (0, 5000), 1: (0, 5000)})
+    # Layer 1 first: room 700 in interval 2, 900 in 3, less the margin.
+    assert watch.budgets[1] == 700 - MARGIN
+    # Layer 0 gets what intervals 1 to 4 have left: 2 has MARGIN left, less the margin.
+    assert 0 not in watch.budgets or watch.budgets[0] == 0
+
+
+def test_a_budget_is_bounded_by_the_bytes_moved_and_grows_from_what_was_kept():
+    watch, reads = _watch([Window(0, 0, 3)], 5)
+    profile = [0, PEAK - 2000, PEAK - 2000, PEAK - 2000, PEAK]
+    _run(watch, reads, profile, {}, units={0: (0, 300)})
+    assert watch.budgets == {0: 300}  # all its units: less than the room
+    # Its units filled 250 of it; the room read with those 250 on the device grows it.
+    profile = [0, PEAK - 1750, PEAK - 1750, PEAK - 1750, PEAK]
+    _run(watch, reads, profile, {}, units={0: (250, 400)})
+    assert watch.budgets == {0: 250 + 400}
+    _run(watch, reads, profile, {}, units={0: (250, 3000)})
+    assert watch.budgets == {0: 250 + 1750 - MARGIN}
+
+
+def test_a_budget_that_raises_the_peak_is_cut_and_never_grows_again():
+    watch, reads = _watch([Window(0, 0, 3)], 5)
+    _run(watch, reads, [0, 1000, 1000, 1000, PEAK], {}, units={0: (0, 20000)})
+    budget = watch.budgets[0]
+    assert budget == PEAK - 1000 - MARGIN
+    # The next iteration (peaks reset) peaks 500 higher, inside the window.
+    _run(watch, reads, [0, 1000, PEAK + 500, 1000, PEAK], {}, units={0: (budget, 5000)})
+    assert watch.budgets[0] == budget - 500 - (PEAK + 500) // BUDGET_MARGIN_SHARE
+    assert watch.capped == {0}
+    _run(watch, reads, [0, 10, 10, 10, PEAK], {}, units={0: (watch.budgets[0], 9000)})
+    assert watch.budgets[0] == budget - 500 - (PEAK + 500) // BUDGET_MARGIN_SHARE
+
+
+def test_an_iteration_cut_short_ends_the_budgets():
+    watch, reads = _watch([Window(0, 0, 3)], 5)
+    _run(watch, reads, [0, 1000, 1000, 1000, PEAK], {}, units={0: (0, 20000)})
+    assert watch.budgets[0] > 0
+    watch.begin()
+    watch.mark(1)  # out of memory in the next layer, say
+    watch.begin()
+    assert watch.budgets == {} and watch.capped == {0}
+
+
+def test_budgets_off_keep_view_bases_only():
+    reads = _Reads()
+    watch = PeakWatch(reads, [Window(0, 0, 3)], 5, slack=0, budgets=False)
+    assert _run(watch, reads, [0, 10, 10, 10, PEAK], {0: 5}, units={0: (0, 500)}) == {0}
+    assert watch.budgets == {}
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_what_budgets_keep_never_raises_the_peak(seed):
+    """On random profiles, bases and budgets together keep every interval within the
+    peak, less the margin wherever a budget adds bytes."""
+    rng = random.Random(seed)
+    points = rng.randint(3, 12)
+    windows = []
+    for layer in range(rng.randint(1, 4)):
+        start = rng.randint(0, points - 2)
+        windows.append(Window(layer, start, rng.randint(start + 1, points - 1)))
+    candidates = {w.layer: rng.randint(0, 400) for w in windows}
+    units = {w.layer: (0, rng.randint(0, 4000)) for w in windows}
+    peaks = [rng.randint(0, PEAK) for _ in range(points)]
+    after = rng.choice([0, rng.randint(0, 2 * PEAK)])
+    watch, reads = _watch(windows, points)
+    kept = _run(watch, reads, peaks, candidates, after=after, units=units)
+    step_peak = max(*peaks, after)
+    margin = step_peak // BUDGET_MARGIN_SHARE
+
+    def inside(w: Window, t: int) -> bool:
+        return w.start < t <= w.end
+
+    for t in range(points):
+        bases = sum(candidates[w.layer] for w in windows if w.layer in kept and inside(w, t))
+        budgets = sum(watch.budgets.get(w.layer, 0) for w in windows if inside(w, t))
+        assert peaks[t] + bases + budgets <= step_peak - (margin if budgets else 0)
+    for w in windows:
+        assert 0 <= watch.budgets.get(w.layer, 0) <= units[w.layer][1]
+
+
 # -- V2's default schedule on the CPU stand-in ---------------------------------------------
 
 N, K = 4, 2  # windows: layer 0 from the forward of 2 to the backward of 1, layer 1 3..2
@@ -255,12 +348,16 @@ def test_bases_stay_when_the_peak_falls_after_every_window():
     finally:
         handle.remove()
     synchronizer = ctx.offload_synchronizer
-    bases = sum(synchronizer.layers[i].view_base_bytes for i in range(K))
+    states = [synchronizer.layers[i] for i in range(K)]
+    bases = sum(state.view_base_bytes for state in states)
     assert bases > 0
-    # Made after iteration 0, the watch reads iteration 1 and chooses at its end.
-    assert moved[0] == moved[1] == moved[2] + bases == moved[3] + bases
+    # Made after iteration 0, the watch reads iteration 1 and chooses at its end: a room
+    # of 1 GiB holds the bases and, by budget, every other unit as well.
+    assert moved[0] == moved[1] > bases
+    assert moved[2] == moved[3] == 0
     assert synchronizer.peak_watch.kept == set(range(K))
-    assert all(synchronizer.layers[i].keep_view_bases for i in range(K))
+    assert all(state.keep_view_bases for state in states)
+    assert sum(state.budget_kept_bytes for state in states) == moved[0] - bases
 
 
 def test_bases_move_when_the_peak_falls_inside_the_windows():
@@ -346,7 +443,7 @@ def test_no_watch_without_a_peak_reading():
     assert ctx.offload_synchronizer.peak_watch is None
 
 
-def test_no_watch_without_view_bases():
+def test_without_view_bases_budgets_keep_what_lowers_no_peak():
     spec = ModelSpec(kind="mha", hidden=64, heads=4, seq=64, batch=2, layers=N)
     layers = build_layers(spec, "cpu")
 
@@ -354,6 +451,20 @@ def test_no_watch_without_view_bases():
         return spec.make_input("cpu", seed=1)
 
     ref = step(layers, make)
-    ctx, sync = _context(_PeakTransport())
-    _moved_per_step(layers, make, ref, ctx, sync, 3)
-    assert ctx.offload_synchronizer.peak_watch is None
+    transport = _PeakTransport()
+    ctx, sync = _context(transport)
+
+    def raise_peak():
+        transport.peak += 1 << 30
+
+    handle = _in_backward_of(layers[0], raise_peak)
+    try:
+        moved = _moved_per_step(layers, make, ref, ctx, sync, 4)
+    finally:
+        handle.remove()
+    synchronizer = ctx.offload_synchronizer
+    assert all(synchronizer.layers[i].view_base_bytes == 0 for i in range(K))
+    assert moved[0] == moved[1] > 0
+    assert moved[2] == moved[3] == 0
+    assert synchronizer.peak_watch.kept == set()
+    assert sorted(synchronizer.peak_watch.budgets) == list(range(K))

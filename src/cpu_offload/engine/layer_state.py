@@ -85,6 +85,12 @@ class OffloadableLayerState:
         self.keep_view_bases = False
         #: Bytes of such bases in the last offload, kept or moved (0 before the first).
         self.view_base_bytes = 0
+        #: Bytes of its other units the layer keeps on the device (NOTE [Bytes that
+        #: pay]); read at each :meth:`start_offload`.
+        self.keep_budget = 0
+        #: In the last offload: bytes the budget kept, and bytes moved.
+        self.budget_kept_bytes = 0
+        self.moved_bytes = 0
 
     # -- bookkeeping -----------------------------------------------------------------
 
@@ -160,7 +166,7 @@ class OffloadableLayerState:
         self._expect("start_offload", LayerPhase.NOT_OFFLOADED)
         if not self._entries:  # nothing saved: nothing to group, buffer or copy
             self._plan = GroupPlan()
-            self.view_base_bytes = 0
+            self.view_base_bytes = self.budget_kept_bytes = self.moved_bytes = 0
             self.phase = LayerPhase.OFFLOAD_STARTED
             return
         for entry in self._entries:
@@ -168,7 +174,9 @@ class OffloadableLayerState:
             entry.keep = entry.tensor._version != entry.version
         plan = self.processor.process(self._entries, self.keep_view_bases)
         self.view_base_bytes = plan.view_base_bytes
+        self.budget_kept_bytes = plan.keep_units(self.keep_budget)
         moved = plan.moved
+        self.moved_bytes = sum(u.nbytes for u in moved)
         buffers = self._host_buffers(moved)
         # Known before any copy is queued, so that a failure part-way through is cleaned
         # up by release_all_memory (which waits for the copies already queued).
@@ -194,7 +202,7 @@ class OffloadableLayerState:
         for unit in plan.units:
             assert unit.tensor is not None
             if unit.kept:
-                _log.kept(self.name, unit.tensor, "a view base that lowers no peak off the device")
+                _log.kept(self.name, unit.tensor, "lowers no peak off the device")
             else:
                 _log.offloaded(self.name, unit.tensor, unit.nbytes)
         for entry, ref in zip(self._entries, plan.refs, strict=True):

@@ -7,12 +7,20 @@ are off the device from the schedule point where its memory is released to the p
 where its reload begins: the layer's *window*. Keeping ``b`` of its bytes on the device
 raises the memory of every moment inside the window by ``b``, and of no other moment.
 
-Some bytes are moved only for the sake of others: a base that strided views of it (q, k
-and v sliced from one projection) were saved from is copied whole, because the views
-cannot be copied and rebuilt on their own. Those bases are the candidates here: a layer
-keeps them on the device (``OffloadableLayerState.keep_view_bases``: the base becomes a
-unit that is never copied, and the views are rebuilt from it) when its window can hold
-them without raising the step's peak, and moves them otherwise.
+Two kinds of bytes stay on the device that way, chosen in this order:
+
+* Bytes moved only for the sake of others: a base that strided views of it (q, k and v
+  sliced from one projection) were saved from is copied whole, because the views cannot
+  be copied and rebuilt on their own. A layer keeps its bases on the device
+  (``OffloadableLayerState.keep_view_bases``: the base becomes a unit that is never
+  copied, and the views are rebuilt from it) when its window can hold them without
+  raising the step's peak, and moves them otherwise.
+* Any other units of the layer, up to a byte budget
+  (``OffloadableLayerState.keep_budget``): the room its window has left, less a margin
+  (``ALLOCATOR_SLACK`` plus ``1/BUDGET_MARGIN_SHARE`` of the peak). The innermost
+  windows (the layers released last and reloaded first) are served first: their bytes
+  are off the device for the shortest time, so each byte of room spares the most link.
+  A budget grows while room is left; the margin stops it short of filling the room.
 
 Where the peak falls is read, not modelled: the allocator keeps a running maximum of
 allocated memory. Read at each schedule point ``t``, it bounds the peak of the interval
@@ -28,9 +36,10 @@ peaked higher, every ``r[t]`` equals ``P`` and nothing is kept: the choice is ma
 iteration that sets a new peak (the first ones of a process, or any iteration after the
 caller resets the peak statistics, as benchmarks do). If a later iteration's peak rises
 inside the window of a layer that keeps its bases, above the peak it was chosen under,
-that layer moves them again from the next iteration on, and is not chosen again.
-Allocated bytes count whole allocator blocks, so both tests leave a margin for rounding
-(``ALLOCATOR_SLACK``).
+that layer moves them again from the next iteration on, and is not chosen again; a layer
+whose budget was in force there has it cut by the rise plus the margin, and it never
+grows again. Allocated bytes count whole allocator blocks, so both tests leave a margin
+for rounding (``ALLOCATOR_SLACK``).
 """
 
 from __future__ import annotations
@@ -38,12 +47,17 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["ALLOCATOR_SLACK", "PeakWatch", "Window"]
+__all__ = ["ALLOCATOR_SLACK", "BUDGET_MARGIN_SHARE", "PeakWatch", "Window"]
 
 #: Allocated bytes count whole allocator blocks: a cached block up to 1 MiB larger than
 #: asked for is handed out whole, and keeping tensors changes which blocks later
 #: allocations get. Peaks that differ by less than this are not told apart.
 ALLOCATOR_SLACK = 2 << 20
+
+#: A budget leaves this share of the step's peak unused (plus ``ALLOCATOR_SLACK``): kept
+#: tensors change which cached blocks later allocations get, and a peak read in one
+#: iteration is not the next one's to the byte.
+BUDGET_MARGIN_SHARE = 128
 
 
 @dataclass(frozen=True)
@@ -75,8 +89,9 @@ class Window:
 
 
 class PeakWatch:
-    """Reads the running peak at an iteration's schedule points and chooses the layers
-    that keep their view bases on the device (NOTE [Bytes that pay]).
+    """Reads the running peak at an iteration's schedule points and chooses what each
+    offloaded layer keeps on the device: its view bases, and a byte budget of its other
+    units (NOTE [Bytes that pay]).
 
     Args:
         read_peak: The allocator's running peak of allocated bytes; None where the
@@ -85,6 +100,8 @@ class PeakWatch:
         points: The number of schedule points in one iteration.
         slack: Bytes of the allocator's rounding: room must exceed the kept bytes by as
             much, and a peak must rise by more to count as raised by them.
+        budgets: Also give layers byte budgets for their other units (False: view
+            bases only).
 
     Raises:
         ValueError: If ``windows`` is empty or one ends at or after ``points``.
@@ -103,6 +120,7 @@ class PeakWatch:
         windows: Sequence[Window],
         points: int,
         slack: int = ALLOCATOR_SLACK,
+        budgets: bool = True,
     ) -> None:
         if not windows:
             raise ValueError("windows is empty: a watch needs at least one offloaded layer")
@@ -127,6 +145,11 @@ class PeakWatch:
         self.refused: set[int] = set()
         self.slack = slack
         self._chosen_peak = 0  # the peak of the iterations the kept layers were chosen in
+        self._grow = budgets
+        #: Per layer, the bytes of units other than view bases it keeps on the device.
+        self.budgets: dict[int, int] = {}
+        #: Layers whose budget raised the peak once: it is cut and never grows again.
+        self.capped: set[int] = set()
 
     def begin(self) -> None:
         """Start watching an iteration (before its first point).
@@ -135,9 +158,11 @@ class PeakWatch:
         it, out of memory say) ends the kept layers' keeping for good: the memory they
         held may have been what was missing.
         """
-        if self._start is not None and self.kept:
+        if self._start is not None and (self.kept or any(self.budgets.values())):
             self.refused |= self.kept
             self.kept = set()
+            self.capped |= set(self.budgets)
+            self.budgets = {}
         self._start = self._read()
         self._marks = [None] * len(self._marks)
 
@@ -150,16 +175,23 @@ class PeakWatch:
         if self._start is not None and self._wanted[position]:
             self._marks[position] = self._read()
 
-    def end(self, candidate_bytes: Mapping[int, int]) -> set[int]:
+    def end(
+        self,
+        candidate_bytes: Mapping[int, int],
+        unit_bytes: Mapping[int, tuple[int, int]] | None = None,
+    ) -> set[int]:
         """End the iteration (at the end of its backward) and choose again.
 
         Args:
             candidate_bytes: Per offloaded layer, the bytes of its view bases in this
                 iteration, kept or moved.
+            unit_bytes: Per offloaded layer, the bytes of its other units in this
+                iteration: those its budget kept, and those moved. None: no budgets.
 
         Returns:
-            The layers that keep their view bases from the next iteration on. An
-            iteration cut short (a point never read) changes nothing.
+            The layers that keep their view bases from the next iteration on (their
+            budgets are :attr:`budgets`). An iteration cut short (a point never read)
+            changes nothing.
         """
         start, self._start = self._start, None
         marks = self._marks
@@ -168,17 +200,23 @@ class PeakWatch:
         peak = self._read()
         if peak is None:
             return self.kept
-        if self.kept and peak > start and peak > self._chosen_peak + self.slack:
+        budgeted = {layer for layer, nbytes in self.budgets.items() if nbytes > 0}
+        if (self.kept or budgeted) and peak > start and peak > self._chosen_peak + self.slack:
             # A new peak, above the one the choice was made under: where did it fall?
             at = next((p for p, m in enumerate(marks) if m is not None and m >= peak), None)
-            harmed = {
-                layer
-                for layer in self.kept
-                if at is not None and self.windows[layer].start < at <= self.windows[layer].end
-            }
-            if harmed:
+
+            def inside(layer: int) -> bool:
+                return at is not None and self.windows[layer].start < at <= self.windows[layer].end
+
+            harmed = {layer for layer in self.kept if inside(layer)}
+            cut = {layer for layer in budgeted if inside(layer)}
+            if harmed or cut:
                 self.kept -= harmed
                 self.refused |= harmed
+                rise = peak - self._chosen_peak + self._margin(peak)
+                for layer in cut:
+                    self.budgets[layer] = max(0, self.budgets[layer] - rise)
+                self.capped |= cut
                 return self.kept
         used = [0] * len(marks)
         for layer in sorted(candidate_bytes):
@@ -194,4 +232,41 @@ class PeakWatch:
                     used[p] += nbytes
                 self.kept.add(layer)
                 self._chosen_peak = max(self._chosen_peak, peak)
+        if self._grow and unit_bytes is not None:
+            self._grow_budgets(peak, marks, used, unit_bytes)  # type: ignore[arg-type]
         return self.kept
+
+    def _margin(self, peak: int) -> int:
+        return self.slack + peak // BUDGET_MARGIN_SHARE
+
+    def _grow_budgets(
+        self,
+        peak: int,
+        marks: Sequence[int],
+        used: list[int],
+        unit_bytes: Mapping[int, tuple[int, int]],
+    ) -> None:
+        """Give each layer's budget the room its window has left, innermost windows first.
+
+        A layer's new budget is what its budget kept in this iteration plus that room:
+        the room was read with those bytes on the device, and a budget its units could
+        not fill exactly is not counted as kept.
+        """
+        margin = self._margin(peak)
+        by_span = sorted(self.windows.values(), key=lambda w: (w.end - w.start, -w.layer))
+        for window in by_span:
+            layer = window.layer
+            kept, moved = unit_bytes.get(layer, (0, 0))
+            if layer in self.capped:
+                continue
+            span = range(window.start + 1, window.end + 1)
+            room = min(peak - marks[p] - used[p] for p in span) - margin
+            extra = min(room, moved)
+            budget = kept + max(extra, 0)
+            if budget == self.budgets.get(layer, 0):
+                continue
+            if extra > 0:
+                for p in span:
+                    used[p] += extra
+                self._chosen_peak = max(self._chosen_peak, peak)
+            self.budgets[layer] = budget

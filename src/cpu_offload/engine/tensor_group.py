@@ -124,6 +124,26 @@ class GroupPlan:
         """The units copied to the host and back (all but the kept ones)."""
         return [u for u in self.units if not u.kept]
 
+    def keep_units(self, budget: int) -> int:
+        """Keep moved units on the device, largest first, within ``budget`` bytes.
+
+        A kept unit is never copied, and the tensors of its references are served from
+        the device tensor itself (NOTE [Bytes that pay] in ``peak_watch.py``).
+
+        Returns:
+            The bytes kept.
+        """
+        kept = 0
+        if budget <= 0:
+            return kept
+        for unit in sorted(self.moved, key=lambda u: u.nbytes, reverse=True):
+            if kept + unit.nbytes <= budget:
+                assert unit.tensor is not None
+                unit.kept = True
+                unit.storage_offset = int(unit.tensor.storage_offset())
+                kept += unit.nbytes
+        return kept
+
     def keep(self, index: int, tensor: torch.Tensor) -> None:
         """Serve pushed id ``index`` from ``tensor`` itself instead of its units."""
         for u in self.unit_ids(self.refs[index]):

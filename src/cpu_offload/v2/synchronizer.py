@@ -371,14 +371,14 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
             for layer, (start, end) in sorted(spans.items())
             if start < end
         ]
-        #: Made once a layer to offload has view bases to keep (NOTE [Bytes that pay]).
+        #: Made at the end of the first iteration, if the allocator keeps a running peak.
         self.peak_watch: PeakWatch | None = None
 
     def start_new_iteration(self) -> None:
         super().start_new_iteration()
         if self.peak_watch is not None:
             self.peak_watch.begin()  # may end keeping, after an iteration cut short
-            self._keep(self.peak_watch.kept)
+            self._keep(self.peak_watch)
 
     def finish_part_of_bwd(self) -> None:
         super().finish_part_of_bwd()
@@ -394,21 +394,30 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
                 self.peak_watch.skip()
             return
         offloaded = [w.layer for w in self._windows]
-        candidates = {i: self.layers[i].view_base_bytes for i in offloaded}
         if self.peak_watch is None:
-            # Made once a layer with a window has view bases; it watches the next iteration.
-            if any(candidates.values()) and self.transport.peak_allocated() is not None:
+            # Made once a layer has a window; it watches the next iteration.
+            if offloaded and self.transport.peak_allocated() is not None:
                 self.peak_watch = PeakWatch(
                     self.transport.peak_allocated,
                     self._windows,
                     2 * self.num_layers,
                 )
             return
-        self._keep(self.peak_watch.end(candidates))
+        layers = [self.layers[i] for i in offloaded]
+        self.peak_watch.end(
+            {i: layer.view_base_bytes for i, layer in zip(offloaded, layers, strict=True)},
+            {
+                i: (layer.budget_kept_bytes, layer.moved_bytes)
+                for i, layer in zip(offloaded, layers, strict=True)
+            },
+        )
+        self._keep(self.peak_watch)
 
-    def _keep(self, kept: set[int]) -> None:
+    def _keep(self, watch: PeakWatch) -> None:
         for window in self._windows:
-            self.layers[window.layer].keep_view_bases = window.layer in kept
+            layer = self.layers[window.layer]
+            layer.keep_view_bases = window.layer in watch.kept
+            layer.keep_budget = watch.budgets.get(window.layer, 0)
 
     def _work_at(self, point: Point) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
         finish = tuple(self.schedule.finish_at.get(point, ()))
