@@ -434,3 +434,24 @@ def test_a_unit_kept_by_budget_goes_at_its_last_read():
     got = state.pop_tensor(ids[0])
     del got
     assert gone() is None
+
+
+def test_a_budget_never_keeps_a_slice_of_a_larger_storage():
+    # Kept, the slice would keep its whole storage alive; moved, only the slice comes back.
+    big = torch.randn(128, 64)
+    state, ids = _budget_state(1 << 30, [big[:64]])
+    assert state.budget_kept_bytes == 0
+    assert state.transport.bytes_offloaded == big[:64].nbytes
+    assert torch.equal(state.pop_tensor(ids[0]), big[:64])
+
+
+def test_a_wrapper_subclass_kept_by_budget_is_read_again_while_held():
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    state, ids = _budget_state(1 << 30, [TwoTensor(a, b)])
+    assert state.budget_kept_bytes == a.nbytes + b.nbytes
+    first = state.pop_tensor(ids[0])
+    second = state.pop_tensor(ids[0])  # the first is still held: its memory is found
+    for got in (first, second):
+        assert torch.equal(got.a, a) and torch.equal(got.b, b)

@@ -12,7 +12,12 @@ import pytest
 from helpers import assert_bit_equal, step
 
 from cpu_offload import HostTransport, v2
-from cpu_offload.engine.peak_watch import BUDGET_MARGIN_SHARE, PeakWatch, Window
+from cpu_offload.engine.peak_watch import (
+    BUDGET_MARGIN_MIN,
+    BUDGET_MARGIN_SHARE,
+    PeakWatch,
+    Window,
+)
 from cpu_offload.models import ModelSpec, build_layers
 
 # -- the watch alone -----------------------------------------------------------------------
@@ -185,38 +190,56 @@ def test_what_is_kept_never_raises_the_peak(seed):
 
 # -- budgets: other units kept where the room allows ---------------------------------------
 
-# Peaks of 12800 make the margin 12800 // BUDGET_MARGIN_SHARE = 100 (slack 0).
-PEAK = 12800
+# Peaks of this size make the margin PEAK // BUDGET_MARGIN_SHARE (slack 0).
+PEAK = 100 * BUDGET_MARGIN_SHARE * BUDGET_MARGIN_MIN
 MARGIN = PEAK // BUDGET_MARGIN_SHARE
 
 
 def test_budgets_take_the_room_left_innermost_first():
-    # Nested windows: layer 1's (2, 3] inside layer 0's (0, 4]; the step peaks after both.
+    # Nested windows: layer 1's (1, 3] inside layer 0's (0, 4]; the step peaks after both.
     watch, reads = _watch([Window(0, 0, 4), Window(1, 1, 3)], 6)
-    profile = [0, PEAK - 1000, PEAK - 700, PEAK - 900, PEAK - 600, PEAK]
-    _run(watch, reads, profile, {}, units={0: (0, 5000), 1: (0, 5000)})
-    # Layer 1 first: room 700 in interval 2, 900 in 3, less the margin.
-    assert watch.budgets[1] == 700 - MARGIN
-    # Layer 0 gets what intervals 1 to 4 have left: 2 has MARGIN left, less the margin.
-    assert 0 not in watch.budgets or watch.budgets[0] == 0
+    m = MARGIN
+    profile = [0, PEAK - 10 * m, PEAK - 7 * m, PEAK - 9 * m, PEAK - 6 * m, PEAK]
+    _run(watch, reads, profile, {}, units={0: (0, PEAK), 1: (0, PEAK)})
+    # Layer 1 first: room 7m in interval 2, 9m in 3, less the margin.
+    assert watch.budgets[1] == 6 * m
+    # Layer 0 gets what intervals 1 to 4 have left: interval 2 has m left, less the margin.
+    assert watch.budgets[0] == 0
 
 
 def test_a_budget_is_bounded_by_the_bytes_moved_and_grows_from_what_was_kept():
     watch, reads = _watch([Window(0, 0, 3)], 5)
-    profile = [0, PEAK - 2000, PEAK - 2000, PEAK - 2000, PEAK]
-    _run(watch, reads, profile, {}, units={0: (0, 300)})
-    assert watch.budgets == {0: 300}  # all its units: less than the room
-    # Its units filled 250 of it; the room read with those 250 on the device grows it.
-    profile = [0, PEAK - 1750, PEAK - 1750, PEAK - 1750, PEAK]
-    _run(watch, reads, profile, {}, units={0: (250, 400)})
-    assert watch.budgets == {0: 250 + 400}
-    _run(watch, reads, profile, {}, units={0: (250, 3000)})
-    assert watch.budgets == {0: 250 + 1750 - MARGIN}
+    m = MARGIN
+    profile = [0, PEAK - 20 * m, PEAK - 20 * m, PEAK - 20 * m, PEAK]
+    _run(watch, reads, profile, {}, units={0: (0, 3 * m)})
+    assert watch.budgets == {0: 3 * m}  # all its units: less than the room
+    # Its units filled 2m of it; the room read with those 2m on the device grows it.
+    profile = [0, PEAK - 18 * m, PEAK - 18 * m, PEAK - 18 * m, PEAK]
+    _run(watch, reads, profile, {}, units={0: (2 * m, 4 * m)})
+    assert watch.budgets == {0: 2 * m + 4 * m}
+    _run(watch, reads, profile, {}, units={0: (2 * m, 30 * m)})
+    assert watch.budgets == {0: 2 * m + 18 * m - m}
+
+
+def test_the_unfilled_part_of_a_budget_is_not_given_to_another_layer():
+    # Nested windows: layer 1's (1, 3] inside layer 0's (0, 4].
+    watch, reads = _watch([Window(0, 0, 4), Window(1, 1, 3)], 6)
+    base = [0, PEAK - 50 * MARGIN, PEAK - 10 * MARGIN, PEAK - 10 * MARGIN, PEAK - 50 * MARGIN, PEAK]
+    plenty = 10**18
+    _run(watch, reads, base, {}, units={0: (0, plenty), 1: (0, plenty)})
+    assert watch.budgets == {1: 9 * MARGIN, 0: 0}
+    for kept in (6 * MARGIN, 6 * MARGIN, 9 * MARGIN):
+        # Layer 1's units fill only part of its budget: the room read says so.
+        profile = [p + (kept if t in (2, 3) else 0) for t, p in enumerate(base)]
+        _run(watch, reads, profile, {}, units={0: (watch.budgets[0], plenty), 1: (kept, plenty)})
+        for t in (2, 3):  # were both budgets filled, the intervals would stay under the peak
+            assert base[t] + watch.budgets[0] + watch.budgets[1] <= PEAK - MARGIN
+    assert watch.budgets[1] == 9 * MARGIN
 
 
 def test_a_budget_that_raises_the_peak_is_cut_and_never_grows_again():
     watch, reads = _watch([Window(0, 0, 3)], 5)
-    _run(watch, reads, [0, 1000, 1000, 1000, PEAK], {}, units={0: (0, 20000)})
+    _run(watch, reads, [0, 1000, 1000, 1000, PEAK], {}, units={0: (0, 2 * PEAK)})
     budget = watch.budgets[0]
     assert budget == PEAK - 1000 - MARGIN
     # The next iteration (peaks reset) peaks 500 higher, inside the window.

@@ -366,8 +366,6 @@ class OffloadableLayerState:
         out = self.processor.restore(plan, ref)
         for u in unit_ids:
             unit = plan.units[u]
-            if unit.kept and type(out) is torch.Tensor:
-                unit.returned.append(weakref.ref(out))
             unit.pending_pops -= 1
             if unit.pending_pops <= 0:
                 # Autograd now holds the only references it needs: drop ours so the
@@ -440,8 +438,9 @@ class OffloadableLayerState:
     # -- reporting -------------------------------------------------------------------
 
     def reloaded_tensors(self) -> list[torch.Tensor | None]:
-        """The device tensors of the current reload, by unit order (None where released)."""
-        return [] if self._plan is None else [u.reloaded for u in self._plan.units]
+        """The device tensors of the current reload, in the order :meth:`start_reload`
+        takes buffers: moved units only (None where released)."""
+        return [] if self._plan is None else [u.reloaded for u in self._plan.moved]
 
     def get_offloaded_total_size_mb(self) -> float:
         """MiB held in host copies of this layer's tensors."""

@@ -17,7 +17,9 @@ Two kinds of bytes stay on the device that way, chosen in this order:
   raising the step's peak, and moves them otherwise.
 * Any other units of the layer, up to a byte budget
   (``OffloadableLayerState.keep_budget``): the room its window has left, less a margin
-  (``ALLOCATOR_SLACK`` plus ``1/BUDGET_MARGIN_SHARE`` of the peak). The innermost
+  (``ALLOCATOR_SLACK`` plus ``1/BUDGET_MARGIN_SHARE`` of the peak, at least
+  ``BUDGET_MARGIN_MIN``). Only a unit that owns its whole storage is kept: keeping a
+  slice would keep the rest of its storage alive too, after the window as well. The innermost
   windows (the layers released last and reloaded first) are served first: their bytes
   are off the device for the shortest time, so each byte of room spares the most link.
   A budget grows while room is left; the margin stops it short of filling the room.
@@ -47,17 +49,18 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["ALLOCATOR_SLACK", "BUDGET_MARGIN_SHARE", "PeakWatch", "Window"]
+__all__ = ["ALLOCATOR_SLACK", "BUDGET_MARGIN_MIN", "BUDGET_MARGIN_SHARE", "PeakWatch", "Window"]
 
 #: Allocated bytes count whole allocator blocks: a cached block up to 1 MiB larger than
 #: asked for is handed out whole, and keeping tensors changes which blocks later
 #: allocations get. Peaks that differ by less than this are not told apart.
 ALLOCATOR_SLACK = 2 << 20
 
-#: A budget leaves this share of the step's peak unused (plus ``ALLOCATOR_SLACK``): kept
-#: tensors change which cached blocks later allocations get, and a peak read in one
-#: iteration is not the next one's to the byte.
+#: A budget leaves this share of the step's peak unused (plus ``ALLOCATOR_SLACK``, and at
+#: least ``BUDGET_MARGIN_MIN``): kept tensors change which cached blocks later
+#: allocations get, and a peak read in one iteration is not the next one's to the byte.
 BUDGET_MARGIN_SHARE = 128
+BUDGET_MARGIN_MIN = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -237,7 +240,7 @@ class PeakWatch:
         return self.kept
 
     def _margin(self, peak: int) -> int:
-        return self.slack + peak // BUDGET_MARGIN_SHARE
+        return self.slack + max(peak // BUDGET_MARGIN_SHARE, BUDGET_MARGIN_MIN)
 
     def _grow_budgets(
         self,
@@ -249,24 +252,26 @@ class PeakWatch:
         """Give each layer's budget the room its window has left, innermost windows first.
 
         A layer's new budget is what its budget kept in this iteration plus that room:
-        the room was read with those bytes on the device, and a budget its units could
-        not fill exactly is not counted as kept.
+        the room was read with those bytes on the device. The part of a budget that its
+        units did not fill (they come in whole tensors) may be filled in a later
+        iteration, so it is reserved in the window before the next layer's turn, for a
+        capped layer too.
         """
         margin = self._margin(peak)
         by_span = sorted(self.windows.values(), key=lambda w: (w.end - w.start, -w.layer))
         for window in by_span:
             layer = window.layer
             kept, moved = unit_bytes.get(layer, (0, 0))
-            if layer in self.capped:
-                continue
             span = range(window.start + 1, window.end + 1)
-            room = min(peak - marks[p] - used[p] for p in span) - margin
-            extra = min(room, moved)
-            budget = kept + max(extra, 0)
-            if budget == self.budgets.get(layer, 0):
-                continue
-            if extra > 0:
+            budget = self.budgets.get(layer, 0)
+            if layer not in self.capped:
+                room = min(peak - marks[p] - used[p] for p in span) - margin
+                grown = kept + max(min(room, moved), 0)
+                if grown > budget:
+                    self._chosen_peak = max(self._chosen_peak, peak)
+                budget = grown
+                self.budgets[layer] = budget
+            unfilled = budget - kept
+            if unfilled > 0:
                 for p in span:
-                    used[p] += extra
-                self._chosen_peak = max(self._chosen_peak, peak)
-            self.budgets[layer] = budget
+                    used[p] += unfilled

@@ -137,10 +137,13 @@ class GroupPlan:
         if budget <= 0:
             return kept
         for unit in sorted(self.moved, key=lambda u: u.nbytes, reverse=True):
-            if kept + unit.nbytes <= budget:
-                assert unit.tensor is not None
+            tensor = unit.tensor
+            assert tensor is not None
+            # A slice of a larger storage would keep all of it alive: moved, only the
+            # slice comes back.
+            if kept + unit.nbytes <= budget and tensor.untyped_storage().nbytes() == unit.nbytes:
                 unit.kept = True
-                unit.storage_offset = int(unit.tensor.storage_offset())
+                unit.storage_offset = int(tensor.storage_offset())
                 kept += unit.nbytes
         return kept
 
@@ -355,9 +358,16 @@ class TensorGroupProcessor:
         if isinstance(ref, _SubclassRef):
             inner = {n: TensorGroupProcessor.restore(plan, r) for n, r in ref.inner.items()}
             return ref.cls.__tensor_unflatten__(inner, ref.ctx, ref.size, ref.stride)  # type: ignore[attr-defined]
-        base = plan.units[ref.unit].reloaded
+        unit = plan.units[ref.unit]
+        base = unit.reloaded
         assert base is not None, "unit restored before it was reloaded"
         if ref.view is None:
-            return base
-        size, stride, offset = ref.view
-        return base.as_strided(size, stride, base.storage_offset() + offset)
+            out = base
+        else:
+            size, stride, offset = ref.view
+            out = base.as_strided(size, stride, base.storage_offset() + offset)
+        if unit.kept:
+            # A later read finds the memory through what autograd still holds of it
+            # (the inner tensors of a wrapper subclass included).
+            unit.returned.append(weakref.ref(out))
+        return out

@@ -414,10 +414,12 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
         self._keep(self.peak_watch)
 
     def _keep(self, watch: PeakWatch) -> None:
+        # A captured graph is never judged (the watch skips it): it keeps nothing.
+        capturing = self.transport.capturing()
         for window in self._windows:
             layer = self.layers[window.layer]
-            layer.keep_view_bases = window.layer in watch.kept
-            layer.keep_budget = watch.budgets.get(window.layer, 0)
+            layer.keep_view_bases = window.layer in watch.kept and not capturing
+            layer.keep_budget = 0 if capturing else watch.budgets.get(window.layer, 0)
 
     def _work_at(self, point: Point) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
         finish = tuple(self.schedule.finish_at.get(point, ()))
