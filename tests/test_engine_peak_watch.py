@@ -260,10 +260,9 @@ def test_an_iteration_cut_short_ends_the_budgets():
     assert watch.budgets == {} and watch.capped == {0}
 
 
-def test_budgets_off_keep_view_bases_only():
-    reads = _Reads()
-    watch = PeakWatch(reads, [Window(0, 0, 3)], 5, slack=0, budgets=False)
-    assert _run(watch, reads, [0, 10, 10, 10, PEAK], {0: 5}, units={0: (0, 500)}) == {0}
+def test_without_unit_bytes_only_view_bases_are_kept():
+    watch, reads = _watch([Window(0, 0, 3)], 5)
+    assert _run(watch, reads, [0, 10, 10, 10, PEAK], {0: 5}) == {0}
     assert watch.budgets == {}
 
 
@@ -357,8 +356,9 @@ def _in_backward_of(layer, action):
     return layer.register_forward_hook(hook)
 
 
-def test_bases_stay_when_the_peak_falls_after_every_window():
-    layers, make, ref = _gpt()
+def _moved_with_the_peak_after_every_window(layers, make, ref):
+    """Four steps whose peak rises by 1 GiB when layer 0's backward begins: bytes moved
+    per step, and the synchronizer."""
     transport = _PeakTransport()
     ctx, sync = _context(transport)
 
@@ -370,7 +370,12 @@ def test_bases_stay_when_the_peak_falls_after_every_window():
         moved = _moved_per_step(layers, make, ref, ctx, sync, 4)
     finally:
         handle.remove()
-    synchronizer = ctx.offload_synchronizer
+    return moved, ctx.offload_synchronizer
+
+
+def test_everything_stays_when_the_peak_falls_after_every_window():
+    layers, make, ref = _gpt()
+    moved, synchronizer = _moved_with_the_peak_after_every_window(layers, make, ref)
     states = [synchronizer.layers[i] for i in range(K)]
     bases = sum(state.view_base_bytes for state in states)
     assert bases > 0
@@ -474,18 +479,7 @@ def test_without_view_bases_budgets_keep_what_lowers_no_peak():
         return spec.make_input("cpu", seed=1)
 
     ref = step(layers, make)
-    transport = _PeakTransport()
-    ctx, sync = _context(transport)
-
-    def raise_peak():
-        transport.peak += 1 << 30
-
-    handle = _in_backward_of(layers[0], raise_peak)
-    try:
-        moved = _moved_per_step(layers, make, ref, ctx, sync, 4)
-    finally:
-        handle.remove()
-    synchronizer = ctx.offload_synchronizer
+    moved, synchronizer = _moved_with_the_peak_after_every_window(layers, make, ref)
     assert all(synchronizer.layers[i].view_base_bytes == 0 for i in range(K))
     assert moved[0] == moved[1] > 0
     assert moved[2] == moved[3] == 0

@@ -19,10 +19,11 @@ Two kinds of bytes stay on the device that way, chosen in this order:
   (``OffloadableLayerState.keep_budget``): the room its window has left, less a margin
   (``ALLOCATOR_SLACK`` plus ``1/BUDGET_MARGIN_SHARE`` of the peak, at least
   ``BUDGET_MARGIN_MIN``). Only a unit that owns its whole storage is kept: keeping a
-  slice would keep the rest of its storage alive too, after the window as well. The innermost
-  windows (the layers released last and reloaded first) are served first: their bytes
-  are off the device for the shortest time, so each byte of room spares the most link.
-  A budget grows while room is left; the margin stops it short of filling the room.
+  slice would keep the rest of its storage alive too, after the window as well. The
+  innermost windows (the layers released last and reloaded first) are served first:
+  their bytes are off the device for the shortest time, so each byte of room spares the
+  most link. A budget grows while room is left; the margin stops it short of filling
+  the room.
 
 Where the peak falls is read, not modelled: the allocator keeps a running maximum of
 allocated memory. Read at each schedule point ``t``, it bounds the peak of the interval
@@ -103,8 +104,6 @@ class PeakWatch:
         points: The number of schedule points in one iteration.
         slack: Bytes of the allocator's rounding: room must exceed the kept bytes by as
             much, and a peak must rise by more to count as raised by them.
-        budgets: Also give layers byte budgets for their other units (False: view
-            bases only).
 
     Raises:
         ValueError: If ``windows`` is empty or one ends at or after ``points``.
@@ -123,7 +122,6 @@ class PeakWatch:
         windows: Sequence[Window],
         points: int,
         slack: int = ALLOCATOR_SLACK,
-        budgets: bool = True,
     ) -> None:
         if not windows:
             raise ValueError("windows is empty: a watch needs at least one offloaded layer")
@@ -148,7 +146,6 @@ class PeakWatch:
         self.refused: set[int] = set()
         self.slack = slack
         self._chosen_peak = 0  # the peak of the iterations the kept layers were chosen in
-        self._grow = budgets
         #: Per layer, the bytes of units other than view bases it keeps on the device.
         self.budgets: dict[int, int] = {}
         #: Layers whose budget raised the peak once: it is cut and never grows again.
@@ -235,7 +232,7 @@ class PeakWatch:
                     used[p] += nbytes
                 self.kept.add(layer)
                 self._chosen_peak = max(self._chosen_peak, peak)
-        if self._grow and unit_bytes is not None:
+        if unit_bytes is not None:
             self._grow_budgets(peak, marks, used, unit_bytes)  # type: ignore[arg-type]
         return self.kept
 
