@@ -260,7 +260,7 @@ class _Times:
 
 
 def test_offloadings_host_time_is_split_into_the_engines_share_and_the_layers() -> None:
-    from cpu_offload.plan.profile import _offload_extras
+    from cpu_offload.plan._rounds import offload_extras
 
     # 4 layers, the first 2 offloaded. Every layer under the engine takes 0.5 ms more to
     # enqueue its forward and 0.25 more its backward; the offloaded layers 2 more each
@@ -275,7 +275,7 @@ def test_offloadings_host_time_is_split_into_the_engines_share_and_the_layers() 
         return [_Times(fwd, bwd)] * 3
 
     speeds = (1.0, 1.5, 1.0)
-    extras = _offload_extras([offload(v) for v in speeds], [kept(v) for v in speeds], n=4, m=2)
+    extras = offload_extras([offload(v) for v in speeds], [kept(v) for v in speeds], n=4, m=2)
     assert extras == {
         "engaged_forward_ms": 0.5,
         "offload_forward_ms": 2.5,
@@ -285,7 +285,7 @@ def test_offloadings_host_time_is_split_into_the_engines_share_and_the_layers() 
 
 
 def test_what_a_choice_adds_is_scaled_to_the_fast_phase() -> None:
-    from cpu_offload.plan.profile import _extra
+    from cpu_offload.plan._rounds import extra
 
     # Recomputing adds 1 ms a layer in the fast rounds; the second round runs 1.5 times
     # slower (its plain step too), which the round's speed of 2/3 takes out.
@@ -295,9 +295,9 @@ def test_what_a_choice_adds_is_scaled_to_the_fast_phase() -> None:
     paces = (1.0, 1.5, 1.5)
     recomputed = [runs(1.0, p) for p in paces]
     kept = [runs(0.0, p) for p in paces]
-    assert _extra(recomputed, kept, "host_forward", 4) == pytest.approx(1.5)
+    assert extra(recomputed, kept, "host_forward", 4) == pytest.approx(1.5)
     speed = [1 / p for p in paces]
-    assert _extra(recomputed, kept, "host_forward", 4, speed=speed) == pytest.approx(1.0)
+    assert extra(recomputed, kept, "host_forward", 4, speed=speed) == pytest.approx(1.0)
 
 
 def test_profile_step_that_skips_layers() -> None:

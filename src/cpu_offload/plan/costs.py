@@ -46,6 +46,13 @@ class HostCost:
             does not offload, in a plan that offloads some layer: every layer then runs
             under the offload context and its sync (``offload_forward_ms`` includes it).
         engaged_backward_ms: The same for the backward.
+        part_recompute_forward_ms: What each part recomputed on its own adds to the
+            forward beyond its share of ``recompute_forward_ms`` (its checkpoint's fixed
+            cost; :mod:`cpu_offload.plan._parts_host`).
+        part_recompute_backward_ms: The same for the backward.
+        part_offload_forward_ms: What each part offloaded on its own adds to the forward
+            beyond its share of ``offload_forward_ms``.
+        part_offload_backward_ms: The same for the backward.
     """
 
     forward_ms: float
@@ -56,6 +63,10 @@ class HostCost:
     recompute_backward_ms: float = 0.0
     engaged_forward_ms: float = 0.0
     engaged_backward_ms: float = 0.0
+    part_recompute_forward_ms: float = 0.0
+    part_recompute_backward_ms: float = 0.0
+    part_offload_forward_ms: float = 0.0
+    part_offload_backward_ms: float = 0.0
 
     def forward(self, choice: Choice, engaged: bool = False) -> float:
         """Host time of the layer's forward under ``choice``; ``engaged``: the plan

@@ -20,7 +20,6 @@ Times are measured one of two ways:
 
 from __future__ import annotations
 
-import math
 import statistics
 import threading
 import time
@@ -34,6 +33,7 @@ from torch import nn
 from .._layer_stack import find_layers
 from ..engine.selection import ActivationPolicy
 from ..v2.context import DEFAULT_MIN_TENSOR_SIZE
+from ._parts_host import part_probes, with_part_host
 from ._parts_probe import PartsSpec, check_parts_spec, with_parts
 from ._probe import (
     Clock,
@@ -44,6 +44,7 @@ from ._probe import (
     sleep_cycles,
     timed_step,
 )
+from ._rounds import extra, fast_rounds, flat, offload_extras, paces
 from .model import Choice, HostCost, LayerCost, Link, Profile, estimate
 
 __all__ = ["measure_choices", "measure_host_link", "profile_model"]
@@ -215,6 +216,8 @@ def profile_model(
     profile = measured.profile(profile, costs, recompute)
     if parts is not False:
         profile = with_parts(profile, layers, step, clock, policy, parts, steps)
+        if isinstance(measured, _HostAndDevice):
+            profile = measured.part_host(profile)
     return profile
 
 
@@ -239,7 +242,7 @@ class _Together:
         """``runs`` probed steps under :func:`cpu_offload.offload_layers` (one warm-up)."""
         from ..layers import offload_layers
 
-        if kwargs.get("offloaded"):
+        if kwargs.get("offloaded") or kwargs.get("parts"):
             kwargs["min_tensor_size_to_offload"] = self.min_tensor_size_to_offload
         with offload_layers(self.layers, **kwargs):
             timed_step(self.layers, self.step, self.clock)
@@ -338,14 +341,10 @@ class _HostAndDevice(_Together):
         # Times from the rounds of the fast phase; what a choice adds from every round,
         # each scaled to the fast phase (more rounds: a steadier difference).
         fast = fast_rounds(plain_rounds, self.FAST_PHASE)
-        fastest = min(plain_rounds[i] for i in fast)
-        speed = [
-            fastest / ms if math.isfinite(ms) and ms > 0 and math.isfinite(fastest) else 1.0
-            for ms in plain_rounds
-        ]
+        speed = paces(plain_rounds, fast)
         rounds = {name: [runs[i] for i in fast] for name, runs in every_round.items()}
         plain_rounds = [plain_rounds[i] for i in fast]
-        kept_runs = _flat(rounds["keep"])
+        kept_runs = flat(rounds["keep"])
         host_f = median_times(kept_runs, "host_forward")
         host_b = median_times(kept_runs, "host_backward")
         device = self._device_times(kept_runs, **keep)
@@ -354,7 +353,7 @@ class _HostAndDevice(_Together):
         host = HostCost(forward_ms=0.0, backward_ms=0.0)
         rerun = list(dev_f)
         if recompute:
-            runs = _flat(rounds["recompute"])
+            runs = flat(rounds["recompute"])
             rerun = [
                 max(b - kb, 0.0)
                 for b, kb in zip(
@@ -364,11 +363,11 @@ class _HostAndDevice(_Together):
             again, plain = every_round["recompute"], every_round["keep"]
             host = replace(
                 host,
-                recompute_forward_ms=_extra(again, plain, "host_forward", n, speed=speed),
-                recompute_backward_ms=_extra(again, plain, "host_backward", n, speed=speed),
+                recompute_forward_ms=extra(again, plain, "host_forward", n, speed=speed),
+                recompute_backward_ms=extra(again, plain, "host_backward", n, speed=speed),
             )
         if n > 1:
-            extras = _offload_extras(every_round["offload"], every_round["keep"], n, m, speed)
+            extras = offload_extras(every_round["offload"], every_round["keep"], n, m, speed)
             host = replace(host, **extras)
         layers = tuple(
             replace(
@@ -399,74 +398,16 @@ class _HostAndDevice(_Together):
         plain_ms = statistics.median(plain_rounds)
         return replace(modelled, other_ms=max(plain_ms - kept, 0.0))
 
-
-def fast_rounds(plain_ms: Sequence[float], share: float) -> list[int]:
-    """The rounds of the host's fast phase: those whose plain step took at most
-    ``1 + share`` times the fastest round's.
-
-    Example:
-        >>> fast_rounds([53.1, 46.4, 46.3, 51.9, 52.3], 0.03)
-        [1, 2]
-    """
-    finite = [ms for ms in plain_ms if math.isfinite(ms)]
-    if not finite:
-        return list(range(len(plain_ms)))
-    fastest = min(finite)
-    return [i for i, ms in enumerate(plain_ms) if ms <= fastest * (1 + share)]
-
-
-def _flat(rounds: list[list[StepTimes]]) -> list[StepTimes]:
-    return [run for one in rounds for run in one]
-
-
-def _extra(
-    variant: list[list[StepTimes]],
-    kept: list[list[StepTimes]],
-    field: str,
-    per: int,
-    layers: Sequence[int] | None = None,
-    speed: Sequence[float] | None = None,
-) -> float:
-    """Host time ``variant`` took beyond ``kept`` in ``layers`` (all if None), per ``per``
-    layers: the median over rounds of each round's difference, each scaled by its
-    round's ``speed`` (the fast phase's plain step over the round's: a slow phase of the
-    host stretches a difference as it stretches the step).
-
-    At least 0: a difference below 0 is the host's noise, not a saving.
-    """
-    diffs = []
-    speeds = [1.0] * len(kept) if speed is None else speed
-    for v, k, pace in zip(variant, kept, speeds, strict=True):
-        vm, km = median_times(v, field), median_times(k, field)
-        js = range(len(vm)) if layers is None else layers
-        diffs.append(pace * sum(vm[j] - km[j] for j in js))
-    return max(statistics.median(diffs) / per, 0.0)
-
-
-def _offload_extras(
-    offload: list[list[StepTimes]],
-    kept: list[list[StepTimes]],
-    n: int,
-    m: int,
-    speed: Sequence[float] | None = None,
-) -> dict[str, float]:
-    """The host time offloading the first ``m`` of ``n`` layers adds, split in two.
-
-    Every layer runs under the offload context once one is offloaded: what that adds to
-    a layer the engine does not offload (``engaged_*``) is measured on layers whose steps
-    do no offload work of the schedule's (forwards after the first offloaded layer's
-    copies were queued; the last layer's backward, before any reload); the rest of the
-    step's extra is the offloaded layers', shared out among them, since the schedule
-    puts their copies and reloads in other layers' steps.
-    """
-    out = {}
-    for way, clean in (("forward", range(m + 1, n)), ("backward", range(n - 1, n))):
-        field = f"host_{way}"
-        engaged = _extra(offload, kept, field, len(clean), clean, speed) if clean else 0.0
-        total = _extra(offload, kept, field, 1, speed=speed)
-        out[f"engaged_{way}_ms"] = engaged
-        out[f"offload_{way}_ms"] = max((total - (n - m) * engaged) / m, 0.0)
-    return out
+    def part_host(self, profile: Profile) -> Profile:
+        """``profile`` (with parts) with the host's fixed cost per part, from probes in
+        rounds beside a step of kept layers (:mod:`._parts_host`)."""
+        probes = part_probes(profile)
+        if not probes:
+            return profile
+        configs = {"keep": {"offloaded": (), "recomputed": ()}, **probes}
+        every_round, plain_rounds = self._rounds(configs)
+        speed = paces(plain_rounds, fast_rounds(plain_rounds, self.FAST_PHASE))
+        return with_part_host(profile, probes, every_round, speed)
 
 
 def measure_choices(

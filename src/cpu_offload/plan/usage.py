@@ -145,17 +145,25 @@ def _use_of_parts(cost: LayerCost, parts: Parts, engaged: bool) -> Use:
         rerun_share = _rerun_share(cost, host, rerun_host_ms, rerun_ms)
         engaged_f = host.engaged_forward_ms if engaged or parts.offloads else 0.0
         engaged_b = host.engaged_backward_ms if engaged or parts.offloads else 0.0
+        # Each part on its own pays a fixed cost beyond its share (its own checkpoint, or
+        # hooks and groups): see cpu_offload.plan._parts_host.
+        n_rerun = sum(1 for _, c in parts.choices if c is Choice.RECOMPUTE)
+        n_sent = sum(1 for _, c in parts.choices if c is Choice.OFFLOAD)
         host_f = (
             host.forward_ms
             + engaged_f
             + moved_share * max(host.offload_forward_ms - host.engaged_forward_ms, 0.0)
             + rerun_share * host.recompute_forward_ms
+            + n_rerun * host.part_recompute_forward_ms
+            + n_sent * host.part_offload_forward_ms
         )
         host_b = (
             host.backward_ms
             + engaged_b
             + moved_share * max(host.offload_backward_ms - host.engaged_backward_ms, 0.0)
             + rerun_share * host.recompute_backward_ms
+            + n_rerun * host.part_recompute_backward_ms
+            + n_sent * host.part_offload_backward_ms
         )
     return Use(
         resident,

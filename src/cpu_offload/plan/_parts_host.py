@@ -1,0 +1,124 @@
+"""The host's fixed cost of a part recomputed or offloaded on its own.
+
+A plan part by part charges each part its share of what recomputing or offloading the
+whole layer costs the host (:func:`.usage.use_of`). But each part recomputed on its own
+runs a checkpoint of its own, and each part offloaded adds hooks and tensor groups of its
+own: a fixed cost per part that several small parts of one layer pay several times over.
+On a ``transformers`` Llama on an H100 a norm recomputed in every layer cost the host
+0.17 to 0.26 ms a layer, most of it that fixed cost, and an offloaded part about 0.25 ms
+a layer beyond its share; a plan of such parts was modelled 17% fast.
+
+Two probes measure it, in the rounds of the host's other probes (:mod:`._rounds`): the
+cheapest part of every layer recomputed, and the part of each of the first half of the
+layers that offloading moves the fewest bytes of offloaded. What a probe adds to the
+host beyond what the shares model, per part, is the fixed cost
+(``HostCost.part_recompute_forward_ms`` and the like).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+from ._probe import StepTimes
+from ._rounds import extra
+from .costs import Choice, HostCost, LayerCost, Parts
+from .model import Profile
+from .usage import use_of
+
+__all__ = ["part_probes", "with_part_host"]
+
+#: The probes, each by the choice its parts get.
+PROBES = {"recompute": Choice.RECOMPUTE, "offload": Choice.OFFLOAD}
+
+
+def _only(cost: LayerCost, name: str, choice: Choice) -> Parts:
+    return Parts(tuple((p.name, choice if p.name == name else Choice.KEEP) for p in cost.parts))
+
+
+def _probe_part(cost: LayerCost, choice: Choice) -> str | None:
+    """The part the probe of ``choice`` takes in this layer: the one the host recomputes
+    soonest, or the one whose offload moves the fewest bytes (None: no such part)."""
+    if choice is Choice.RECOMPUTE:
+        saving = [p for p in cost.parts if p.saved]
+        return min(saving, key=lambda p: (p.host_ms, p.forward_ms)).name if saving else None
+    moves = [(use_of(cost, _only(cost, p.name, choice), False).moved, p.name) for p in cost.parts]
+    moving = [(b, name) for b, name in moves if b > 0]
+    return min(moving)[1] if moving else None
+
+
+def part_probes(profile: Profile) -> dict[str, dict[str, Any]]:
+    """The probes' arguments of :func:`cpu_offload.offload_layers`, by probe name; a
+    probe no layer has a part for is left out, as is the offload probe of one layer
+    (whose only layer is the last, which the schedule does not offload)."""
+    n = profile.num_layers
+    out: dict[str, dict[str, Any]] = {}
+    for probe, choice in PROBES.items():
+        if choice is Choice.OFFLOAD and n < 2:
+            continue
+        # Offloading probes the first half of the layers, as the whole-layer probe does.
+        layers = range(n) if choice is Choice.RECOMPUTE else range(max(n // 2, 1))
+        parts = {}
+        for j in layers:
+            name = _probe_part(profile.layers[j], choice)
+            if name is not None:
+                parts[j] = {name: choice.value}
+        if parts:
+            out[probe] = {"offloaded": (), "recomputed": (), "parts": parts}
+    return out
+
+
+def _without_part_costs(host: HostCost) -> HostCost:
+    return replace(
+        host,
+        part_recompute_forward_ms=0.0,
+        part_recompute_backward_ms=0.0,
+        part_offload_forward_ms=0.0,
+        part_offload_backward_ms=0.0,
+    )
+
+
+def with_part_host(
+    profile: Profile,
+    probes: Mapping[str, Mapping[str, Any]],
+    rounds: Mapping[str, list[list[StepTimes]]],
+    speed: list[float],
+) -> Profile:
+    """``profile`` with the host's fixed cost per part, from the probes' rounds.
+
+    Args:
+        profile: A profile with parts and the host's times (``LayerCost.host``).
+        probes: :func:`part_probes` of it.
+        rounds: Each probe's probed steps per round, and ``"keep"``'s (no layer
+            offloaded or recomputed) of the same rounds.
+        speed: Each round's pace (:func:`._rounds.paces`).
+    """
+    layers = [
+        c if c.host is None else replace(c, host=_without_part_costs(c.host))
+        for c in profile.layers
+    ]
+    fixed: dict[str, float] = {}
+    for probe, kwargs in probes.items():
+        choice = PROBES[probe]
+        chosen = kwargs["parts"]
+        engaged = choice is Choice.OFFLOAD
+        plan = [
+            _only(c, next(iter(chosen[j])), choice) if j in chosen else Choice.KEEP
+            for j, c in enumerate(layers)
+        ]
+        for way in ("forward", "backward"):
+            field = f"host_{way}_ms"
+            measured = extra(rounds[probe], rounds["keep"], f"host_{way}", 1, speed=speed)
+            modelled = sum(
+                getattr(use_of(c, p, engaged), field)
+                - getattr(use_of(c, Choice.KEEP, False), field)
+                for c, p in zip(layers, plan, strict=True)
+            )
+            fixed[f"part_{probe}_{way}_ms"] = max((measured - modelled) / len(chosen), 0.0)
+    return replace(
+        profile,
+        layers=tuple(
+            c if c.host is None else replace(c, host=replace(c.host, **fixed)) for c in layers
+        ),
+    )

@@ -1,0 +1,154 @@
+"""The host's fixed cost of each part recomputed or offloaded on its own: the model, the
+probes that measure it, and the profile that runs them (CPU stand-in)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from test_plan_parts import LAYER, OFF, K, R, _parts
+from test_plan_parts_probe import MIN, _core_blocks
+
+from cpu_offload.plan import profile_model
+from cpu_offload.plan._parts_host import part_probes, with_part_host
+from cpu_offload.plan.model import HostCost, Link, Profile, estimate
+from cpu_offload.plan.usage import use_of
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# The layer's host: a 2 ms forward, 4 ms backward; recomputing the whole layer adds 0.4
+# and 2.0, offloading it 1.0 and 1.0 (0.5 and 0.25 of that the engine's alone).
+HOST = HostCost(
+    forward_ms=2.0,
+    backward_ms=4.0,
+    recompute_forward_ms=0.4,
+    recompute_backward_ms=2.0,
+    offload_forward_ms=1.0,
+    offload_backward_ms=1.0,
+    engaged_forward_ms=0.5,
+    engaged_backward_ms=0.25,
+)
+FIXED = dict(
+    part_recompute_forward_ms=0.1,
+    part_recompute_backward_ms=0.2,
+    part_offload_forward_ms=0.3,
+    part_offload_backward_ms=0.05,
+)
+
+
+def _layer(**fixed: float) -> object:
+    return replace(LAYER, host=replace(HOST, **fixed))
+
+
+def test_each_part_on_its_own_pays_the_hosts_fixed_cost() -> None:
+    layer = _layer(**FIXED)
+    # The core and the MLP recomputed run a quarter and a half of the layer's forward on
+    # the host (its parts' host times, 0.25 and 0.5 of 2.0 ms), and two checkpoints.
+    both = use_of(layer, _parts(core=R, mlp=R), False)  # type: ignore[arg-type]
+    assert both.host_forward_ms == pytest.approx(2.0 + 0.375 * 0.4 + 2 * 0.1)
+    assert both.host_backward_ms == pytest.approx(4.0 + 0.375 * 2.0 + 2 * 0.2)
+    # The projection offloaded moves 10 of the layer's 210 bytes, under the engine.
+    sent = use_of(layer, _parts(proj=OFF), False)  # type: ignore[arg-type]
+    assert sent.host_forward_ms == pytest.approx(2.0 + 0.5 + 10 / 210 * 0.5 + 0.3)
+    assert sent.host_backward_ms == pytest.approx(4.0 + 0.25 + 10 / 210 * 0.75 + 0.05)
+    # A whole layer is one checkpoint, or one offloaded layer: no part's fixed cost.
+    assert use_of(layer, R, False).host_forward_ms == pytest.approx(2.4)  # type: ignore[arg-type]
+    assert use_of(layer, OFF, False).host_backward_ms == pytest.approx(5.0)  # type: ignore[arg-type]
+    # Parts all kept cost what the kept layer costs.
+    assert use_of(layer, _parts(), False).host_forward_ms == 2.0  # type: ignore[arg-type]
+    # In a step where the host bounds it, two recomputed parts cost more than one.
+    profile = Profile((layer,) * 4, Link(1e-4, 1e-4))  # type: ignore[arg-type]
+    one = estimate(profile, [_parts(core=R)] * 4).step_ms
+    two = estimate(profile, [_parts(core=R, mlp=R)] * 4).step_ms
+    assert two > one > estimate(profile, [K] * 4).step_ms
+
+
+def test_the_probes_take_the_cheapest_part_and_the_fewest_bytes() -> None:
+    profile = Profile((_layer(),) * 4, Link(1e-4, 1e-4))  # type: ignore[arg-type]
+    probes = part_probes(profile)
+    # The core has the least host time of the three parts; the projection moves 10 bytes
+    # (the core 120, the MLP 80). Offloading probes the first half of the layers.
+    assert probes["recompute"]["parts"] == {j: {"core": "recompute"} for j in range(4)}
+    assert probes["offload"]["parts"] == {j: {"proj": "offload"} for j in range(2)}
+    # One layer is the last, which the schedule never offloads.
+    assert list(part_probes(Profile((_layer(),), Link(1e-4, 1e-4)))) == ["recompute"]  # type: ignore[arg-type]
+
+
+class _Times:
+    """Stand-in for a probed step's times: what the host took per layer."""
+
+    def __init__(self, forward: list[float], backward: list[float]) -> None:
+        self.host_forward, self.host_backward = forward, backward
+
+
+def test_the_fixed_cost_is_what_a_probe_adds_beyond_the_shares() -> None:
+    # The profile's host times came without fixed costs (any there are replaced). The
+    # rounds: kept layers; the core recomputed in every layer, costing its share and
+    # the fixed costs of FIXED; the projection offloaded in layers 0 and 1, every layer
+    # under the engine. The second round runs 1.5 times slower, its pace 2/3.
+    profile = Profile((_layer(part_offload_forward_ms=9.0),) * 4, Link(1e-4, 1e-4))  # type: ignore[arg-type]
+    probes = part_probes(profile)
+    share, moved = 0.25 / 2.0, 10 / 210
+
+    def runs(forward: list[float], backward: list[float], pace: float) -> list[_Times]:
+        return [_Times([pace * f for f in forward], [pace * b for b in backward])] * 2
+
+    rounds: dict[str, list[list[_Times]]] = {"keep": [], "recompute": [], "offload": []}
+    for pace in (1.0, 1.5, 1.0):
+        rounds["keep"].append(runs([2.0] * 4, [4.0] * 4, pace))
+        rounds["recompute"].append(
+            runs([2.0 + share * 0.4 + 0.1] * 4, [4.0 + share * 2.0 + 0.2] * 4, pace)
+        )
+        sent_f = 2.0 + 0.5 + moved * 0.5 + 0.3
+        sent_b = 4.0 + 0.25 + moved * 0.75 + 0.05
+        rounds["offload"].append(runs([sent_f] * 2 + [2.5] * 2, [sent_b] * 2 + [4.25] * 2, pace))
+    out = with_part_host(profile, probes, rounds, [1.0, 2 / 3, 1.0])  # type: ignore[arg-type]
+    for cost in out.layers:
+        assert cost.host is not None
+        for name, value in FIXED.items():
+            assert getattr(cost.host, name) == pytest.approx(value), name
+        assert replace(cost.host, **dict.fromkeys(FIXED, 0.0)) == HOST
+    # A probe that adds nothing beyond the shares leaves no fixed cost (and none below 0).
+    rounds["recompute"] = rounds["keep"]
+    out = with_part_host(profile, probes, rounds, [1.0, 2 / 3, 1.0])  # type: ignore[arg-type]
+    assert out.layers[0].host is not None
+    assert out.layers[0].host.part_recompute_forward_ms == 0.0
+
+
+def test_a_profile_with_parts_and_the_hosts_time_runs_the_probes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import cpu_offload.plan.profile as profile_module
+
+    seen: list[list[str]] = []
+    real = profile_module._HostAndDevice._rounds
+
+    def recorded(self, configs):  # type: ignore[no-untyped-def]
+        seen.append(list(configs))
+        return real(self, configs)
+
+    monkeypatch.setattr(profile_module._HostAndDevice, "_rounds", recorded)
+    model = _core_blocks()
+    x = torch.randn(2, 16, 32)
+    profile = profile_model(
+        model,
+        lambda: model(x).square().mean(),
+        steps=1,
+        min_tensor_size_to_offload=MIN,
+        parts=True,
+        host=True,
+    )
+    assert seen[-1] == ["keep", "recompute", "offload"]
+    for cost in profile.layers:
+        assert cost.host is not None and cost.parts
+        assert min(vars(cost.host).values()) >= 0
+    # Without parts, or without the host's time, no probe runs.
+    seen.clear()
+    profile_model(
+        model, lambda: model(x).square().mean(), steps=1, host=True, min_tensor_size_to_offload=MIN
+    )
+    assert seen == [["keep", "recompute", "offload"]]
+    seen.clear()
+    profile_model(model, lambda: model(x).square().mean(), steps=1, parts=True, host=False)
+    assert seen == []
