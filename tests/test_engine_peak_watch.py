@@ -149,6 +149,34 @@ def test_a_missing_reading_leaves_the_iteration_unjudged():
     assert watch.kept == {0}  # that iteration ended: nothing was cut short
 
 
+def test_a_watch_with_nothing_to_judge_reads_nothing_until_bytes_move():
+    reads: list[int] = []
+
+    def read() -> int:
+        reads.append(0)
+        return 100
+
+    watch = PeakWatch(read, [Window(0, 0, 2)], 4, slack=0)
+
+    def iteration(candidates: dict[int, int], units: dict[int, tuple[int, int]]) -> int:
+        reads.clear()
+        watch.begin()
+        for t in range(4):
+            watch.mark(t)
+        watch.end(candidates, units)
+        return len(reads)
+
+    # Read at begin, at points 0 to 2 and at the end; nothing moved: the next iteration
+    # is not read.
+    assert iteration({0: 0}, {0: (0, 0)}) == 5
+    assert watch.idle
+    assert iteration({0: 0}, {0: (0, 0)}) == 0
+    # Bytes move again (a longer sequence, say): the iteration after is read again.
+    assert iteration({0: 0}, {0: (0, 64)}) == 0
+    assert not watch.idle
+    assert iteration({0: 0}, {0: (0, 64)}) == 5
+
+
 def test_bad_windows_are_refused():
     with pytest.raises(ValueError, match="start before it ends"):
         Window(0, 3, 3)

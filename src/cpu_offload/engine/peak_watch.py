@@ -150,6 +150,9 @@ class PeakWatch:
         self.budgets: dict[int, int] = {}
         #: Layers whose budget raised the peak once: it is cut and never grows again.
         self.capped: set[int] = set()
+        #: The last iteration had nothing to judge (no layer kept or moved a byte): the
+        #: next one reads nothing, since each read costs the host microseconds.
+        self.idle = False
 
     def begin(self) -> None:
         """Start watching an iteration (before its first point).
@@ -163,6 +166,9 @@ class PeakWatch:
             self.kept = set()
             self.capped |= set(self.budgets)
             self.budgets = {}
+        if self.idle:
+            self._start = None
+            return
         self._start = self._read()
         self._marks = [None] * len(self._marks)
 
@@ -191,9 +197,16 @@ class PeakWatch:
         Returns:
             The layers that keep their view bases from the next iteration on (their
             budgets are :attr:`budgets`). An iteration cut short (a point never read)
-            changes nothing.
+            changes nothing. Where no layer kept or moved a byte, the next iteration is
+            not read (:attr:`idle`).
         """
         start, self._start = self._start, None
+        self.idle = not (
+            self.kept
+            or any(self.budgets.values())
+            or any(candidate_bytes.values())
+            or (unit_bytes is not None and any(k or m for k, m in unit_bytes.values()))
+        )
         marks = self._marks
         if start is None or any(m is None for m, w in zip(marks, self._wanted, strict=True) if w):
             return self.kept
