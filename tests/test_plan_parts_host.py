@@ -44,15 +44,19 @@ def _layer(**fixed: float) -> object:
 def test_each_part_on_its_own_pays_the_hosts_fixed_cost() -> None:
     layer = _layer(**FIXED)
     # The core and the MLP recomputed run a quarter and a half of the layer's forward on
-    # the host (its parts' host times, 0.25 and 0.5 of 2.0 ms), and two checkpoints.
+    # the host (its parts' host times, 0.25 and 0.5 of 2.0 ms): that share of the whole
+    # layer's recomputation less its one checkpoint, and two checkpoints.
     both = use_of(layer, _parts(core=R, mlp=R), False)  # type: ignore[arg-type]
-    assert both.host_forward_ms == pytest.approx(2.0 + 0.375 * 0.4 + 2 * 0.1)
-    assert both.host_backward_ms == pytest.approx(4.0 + 0.375 * 2.0 + 2 * 0.2)
+    assert both.host_forward_ms == pytest.approx(2.0 + 0.375 * (0.4 - 0.1) + 2 * 0.1)
+    assert both.host_backward_ms == pytest.approx(4.0 + 0.375 * (2.0 - 0.2) + 2 * 0.2)
+    # Every part recomputed: the whole layer's cost and two checkpoints more.
+    every = use_of(layer, _parts(proj=R, core=R, mlp=R), False)  # type: ignore[arg-type]
+    assert every.host_forward_ms == pytest.approx(2.0 + 0.625 * (0.4 - 0.1) + 3 * 0.1)
     # The projection offloaded moves 10 of the layer's 210 bytes, under the engine.
     sent = use_of(layer, _parts(proj=OFF), False)  # type: ignore[arg-type]
-    assert sent.host_forward_ms == pytest.approx(2.0 + 0.5 + 10 / 210 * 0.5 + 0.3)
-    assert sent.host_backward_ms == pytest.approx(4.0 + 0.25 + 10 / 210 * 0.75 + 0.05)
-    # A whole layer is one checkpoint, or one offloaded layer: no part's fixed cost.
+    assert sent.host_forward_ms == pytest.approx(2.0 + 0.5 + 10 / 210 * (0.5 - 0.3) + 0.3)
+    assert sent.host_backward_ms == pytest.approx(4.0 + 0.25 + 10 / 210 * (0.75 - 0.05) + 0.05)
+    # A whole layer is one checkpoint, or one offloaded layer: its cost holds its one.
     assert use_of(layer, R, False).host_forward_ms == pytest.approx(2.4)  # type: ignore[arg-type]
     assert use_of(layer, OFF, False).host_backward_ms == pytest.approx(5.0)  # type: ignore[arg-type]
     # Parts all kept cost what the kept layer costs.
@@ -84,8 +88,8 @@ class _Times:
 
 def test_the_fixed_cost_is_what_a_probe_adds_beyond_the_shares() -> None:
     # The profile's host times came without fixed costs (any there are replaced). The
-    # rounds: kept layers; the core recomputed in every layer, costing its share and
-    # the fixed costs of FIXED; the projection offloaded in layers 0 and 1, every layer
+    # rounds: kept layers; the core recomputed in every layer, costing its share of the
+    # whole layer's recomputation less one checkpoint, and a checkpoint of FIXED; the projection offloaded in layers 0 and 1, every layer
     # under the engine. The second round runs 1.5 times slower, its pace 2/3.
     profile = Profile((_layer(part_offload_forward_ms=9.0),) * 4, Link(1e-4, 1e-4))  # type: ignore[arg-type]
     probes = part_probes(profile)
@@ -98,10 +102,10 @@ def test_the_fixed_cost_is_what_a_probe_adds_beyond_the_shares() -> None:
     for pace in (1.0, 1.5, 1.0):
         rounds["keep"].append(runs([2.0] * 4, [4.0] * 4, pace))
         rounds["recompute"].append(
-            runs([2.0 + share * 0.4 + 0.1] * 4, [4.0 + share * 2.0 + 0.2] * 4, pace)
+            runs([2.0 + share * 0.3 + 0.1] * 4, [4.0 + share * 1.8 + 0.2] * 4, pace)
         )
-        sent_f = 2.0 + 0.5 + moved * 0.5 + 0.3
-        sent_b = 4.0 + 0.25 + moved * 0.75 + 0.05
+        sent_f = 2.0 + 0.5 + moved * 0.2 + 0.3
+        sent_b = 4.0 + 0.25 + moved * 0.7 + 0.05
         rounds["offload"].append(runs([sent_f] * 2 + [2.5] * 2, [sent_b] * 2 + [4.25] * 2, pace))
     out = with_part_host(profile, probes, rounds, [1.0, 2 / 3, 1.0])  # type: ignore[arg-type]
     for cost in out.layers:
@@ -116,39 +120,101 @@ def test_the_fixed_cost_is_what_a_probe_adds_beyond_the_shares() -> None:
     assert out.layers[0].host.part_recompute_forward_ms == 0.0
 
 
-def test_a_profile_with_parts_and_the_hosts_time_runs_the_probes(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def _probes_seen(monkeypatch: pytest.MonkeyPatch) -> list[dict]:  # type: ignore[type-arg]
     import cpu_offload.plan.profile as profile_module
 
-    seen: list[list[str]] = []
+    seen: list[dict] = []  # type: ignore[type-arg]
     real = profile_module._HostAndDevice._rounds
 
     def recorded(self, configs):  # type: ignore[no-untyped-def]
-        seen.append(list(configs))
+        seen.append(dict(configs))
         return real(self, configs)
 
     monkeypatch.setattr(profile_module._HostAndDevice, "_rounds", recorded)
-    model = _core_blocks()
-    x = torch.randn(2, 16, 32)
-    profile = profile_model(
+    return seen
+
+
+def _profile(model, x, **kwargs):  # type: ignore[no-untyped-def]
+    return profile_model(
         model,
         lambda: model(x).square().mean(),
         steps=1,
         min_tensor_size_to_offload=MIN,
-        parts=True,
-        host=True,
+        **kwargs,
     )
-    assert seen[-1] == ["keep", "recompute", "offload"]
+
+
+@pytest.mark.filterwarnings("error::UserWarning")
+def test_a_profile_with_parts_and_the_hosts_time_runs_the_probes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen = _probes_seen(monkeypatch)
+    model = _core_blocks()
+    x = torch.randn(2, 16, 32)
+    profile = _profile(model, x, parts=True, host=True)
+    # The whole-layer rounds, then the probes' rounds, whose parts the engine moves
+    # (a probe below the threshold would warn that nothing was offloaded).
+    assert len(seen) == 2
+    assert list(seen[1]) == ["keep", "recompute", "offload"]
+    assert all("parts" in seen[1][probe] for probe in ("recompute", "offload"))
     for cost in profile.layers:
         assert cost.host is not None and cost.parts
         assert min(vars(cost.host).values()) >= 0
     # Without parts, or without the host's time, no probe runs.
     seen.clear()
-    profile_model(
-        model, lambda: model(x).square().mean(), steps=1, host=True, min_tensor_size_to_offload=MIN
-    )
-    assert seen == [["keep", "recompute", "offload"]]
+    _profile(model, x, host=True)
+    assert len(seen) == 1
     seen.clear()
-    profile_model(model, lambda: model(x).square().mean(), steps=1, parts=True, host=False)
+    _profile(model, x, parts=True, host=False)
     assert seen == []
+    # Without recomputation timed, nothing of it is probed.
+    seen.clear()
+    _profile(model, x, parts=True, host=True, recompute=False)
+    assert list(seen[-1]) == ["keep", "offload"]
+
+
+def test_v1_profiles_parts_without_the_offload_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    # V1 offloads no part: its profile probes recomputed parts only.
+    monkeypatch.setenv("NVTE_CPU_OFFLOAD_V1", "1")
+    seen = _probes_seen(monkeypatch)
+    model = _core_blocks()
+    profile = _profile(model, torch.randn(2, 16, 32), parts=True, host=True)
+    assert list(seen[-1]) == ["keep", "recompute"]
+    assert all(c.host is not None and c.host.part_offload_forward_ms == 0 for c in profile.layers)
+
+
+def test_the_probes_are_paced_against_the_profiles_fast_phase() -> None:
+    # The probes' rounds all ran 1.3 times slower than the fast phase the profile's
+    # other host times come from: their differences are scaled back to it.
+    from cpu_offload.plan.profile import _HostAndDevice
+
+    profile = Profile((_layer(),) * 4, Link(1e-4, 1e-4))  # type: ignore[arg-type]
+    timing = object.__new__(_HostAndDevice)
+    timing.fastest_plain_ms = 1000.0
+    share = 0.25 / 2.0
+
+    def rounds(configs):  # type: ignore[no-untyped-def]
+        slow = 1.3
+        out = {
+            "keep": [[_Times([slow * 2.0] * 4, [slow * 4.0] * 4)]] * 3,
+            "recompute": [
+                [
+                    _Times(
+                        [slow * (2.0 + share * 0.3 + 0.1)] * 4,
+                        [slow * (4.0 + share * 1.8 + 0.2)] * 4,
+                    )
+                ]
+            ]
+            * 3,
+        }
+        out["offload"] = out["keep"]  # adds nothing: no fixed cost, not below 0
+        return {k: v for k, v in out.items() if k in configs}, [slow * 1000.0] * 3
+
+    timing._rounds = rounds  # type: ignore[method-assign]
+    timing.recompute = True
+    out = timing.part_host(profile)
+    host = out.layers[0].host
+    assert host is not None
+    assert host.part_recompute_forward_ms == pytest.approx(0.1)
+    assert host.part_recompute_backward_ms == pytest.approx(0.2)
+    assert host.part_offload_forward_ms == 0.0

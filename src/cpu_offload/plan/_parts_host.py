@@ -48,14 +48,24 @@ def _probe_part(cost: LayerCost, choice: Choice) -> str | None:
     return min(moving)[1] if moving else None
 
 
-def part_probes(profile: Profile) -> dict[str, dict[str, Any]]:
-    """The probes' arguments of :func:`cpu_offload.offload_layers`, by probe name; a
-    probe no layer has a part for is left out, as is the offload probe of one layer
-    (whose only layer is the last, which the schedule does not offload)."""
+def part_probes(
+    profile: Profile, recompute: bool = True, offload: bool = True
+) -> dict[str, dict[str, Any]]:
+    """The probes' arguments of :func:`cpu_offload.offload_layers`, by probe name.
+
+    Args:
+        profile: A profile with parts.
+        recompute: Run the recompute probe (the profile timed recomputation).
+        offload: Run the offload probe (the backend offloads parts: V2).
+
+    A probe no layer has a part for is left out, as is the offload probe of one layer
+    (whose only layer is the last, which the schedule does not offload).
+    """
     n = profile.num_layers
+    wanted = {Choice.RECOMPUTE: recompute, Choice.OFFLOAD: offload and n > 1}
     out: dict[str, dict[str, Any]] = {}
     for probe, choice in PROBES.items():
-        if choice is Choice.OFFLOAD and n < 2:
+        if not wanted[choice]:
             continue
         # Offloading probes the first half of the layers, as the whole-layer probe does.
         layers = range(n) if choice is Choice.RECOMPUTE else range(max(n // 2, 1))
@@ -79,6 +89,21 @@ def _without_part_costs(host: HostCost) -> HostCost:
     )
 
 
+def _modelled(
+    layers: list[LayerCost], plan: list[Choice | Parts], engaged: bool, field: str
+) -> float:
+    """What ``plan`` adds to the host's ``field`` over keeping every layer, as modelled."""
+    return sum(
+        getattr(use_of(c, p, engaged), field) - getattr(use_of(c, Choice.KEEP, False), field)
+        for c, p in zip(layers, plan, strict=True)
+    )
+
+
+#: A fixed cost small enough to leave every share's remainder positive: the model's
+#: slope in the fixed cost is taken with it.
+_PROBE_MS = 1e-6
+
+
 def with_part_host(
     profile: Profile,
     probes: Mapping[str, Mapping[str, Any]],
@@ -87,12 +112,18 @@ def with_part_host(
 ) -> Profile:
     """``profile`` with the host's fixed cost per part, from the probes' rounds.
 
+    A part's share of the whole layer's cost (:func:`.usage.use_of`) is taken of that
+    cost less one fixed cost, which the whole layer pays once; each part pays its own.
+    The model is linear in the fixed cost, so it is solved from the model's figures with
+    no fixed cost and with a tiny one.
+
     Args:
         profile: A profile with parts and the host's times (``LayerCost.host``).
         probes: :func:`part_probes` of it.
         rounds: Each probe's probed steps per round, and ``"keep"``'s (no layer
             offloaded or recomputed) of the same rounds.
-        speed: Each round's pace (:func:`._rounds.paces`).
+        speed: Each round's pace against the fast phase the profile's other host times
+            were taken in (:func:`._rounds.paces`).
     """
     layers = [
         c if c.host is None else replace(c, host=_without_part_costs(c.host))
@@ -103,19 +134,21 @@ def with_part_host(
         choice = PROBES[probe]
         chosen = kwargs["parts"]
         engaged = choice is Choice.OFFLOAD
-        plan = [
+        plan: list[Choice | Parts] = [
             _only(c, next(iter(chosen[j])), choice) if j in chosen else Choice.KEEP
             for j, c in enumerate(layers)
         ]
         for way in ("forward", "backward"):
+            name = f"part_{probe}_{way}_ms"
             field = f"host_{way}_ms"
             measured = extra(rounds[probe], rounds["keep"], f"host_{way}", 1, speed=speed)
-            modelled = sum(
-                getattr(use_of(c, p, engaged), field)
-                - getattr(use_of(c, Choice.KEEP, False), field)
-                for c, p in zip(layers, plan, strict=True)
-            )
-            fixed[f"part_{probe}_{way}_ms"] = max((measured - modelled) / len(chosen), 0.0)
+            base = _modelled(layers, plan, engaged, field)
+            tiny = [
+                c if c.host is None else replace(c, host=replace(c.host, **{name: _PROBE_MS}))
+                for c in layers
+            ]
+            slope = (_modelled(tiny, plan, engaged, field) - base) / _PROBE_MS
+            fixed[name] = max((measured - base) / slope, 0.0) if slope > 0 else 0.0
     return replace(
         profile,
         layers=tuple(

@@ -35,15 +35,14 @@ def fast_rounds(plain_ms: Sequence[float], share: float) -> list[int]:
     return [i for i, ms in enumerate(plain_ms) if ms <= fastest * (1 + share)]
 
 
-def paces(plain_ms: Sequence[float], fast: Sequence[int]) -> list[float]:
-    """Each round's pace: the fastest of the ``fast`` rounds' plain step over the round's
-    (1 where a time is not finite).
+def paces(plain_ms: Sequence[float], fastest: float) -> list[float]:
+    """Each round's pace: the fast phase's plain step ``fastest`` over the round's (1
+    where a time is not finite).
 
     Example:
-        >>> paces([50.0, 40.0, 80.0], [1])
+        >>> paces([50.0, 40.0, 80.0], 40.0)
         [0.8, 1.0, 0.5]
     """
-    fastest = min(plain_ms[i] for i in fast)
     return [
         fastest / ms if math.isfinite(ms) and ms > 0 and math.isfinite(fastest) else 1.0
         for ms in plain_ms

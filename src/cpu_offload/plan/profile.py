@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from .._layer_stack import find_layers
+from .._switch import use_v1
 from ..engine.selection import ActivationPolicy
 from ..v2.context import DEFAULT_MIN_TENSOR_SIZE
 from ._parts_host import part_probes, with_part_host
@@ -242,7 +243,8 @@ class _Together:
         """``runs`` probed steps under :func:`cpu_offload.offload_layers` (one warm-up)."""
         from ..layers import offload_layers
 
-        if kwargs.get("offloaded") or kwargs.get("parts"):
+        parts = kwargs.get("parts") or {}
+        if kwargs.get("offloaded") or any("offload" in p.values() for p in parts.values()):
             kwargs["min_tensor_size_to_offload"] = self.min_tensor_size_to_offload
         with offload_layers(self.layers, **kwargs):
             timed_step(self.layers, self.step, self.clock)
@@ -313,6 +315,10 @@ class _HostAndDevice(_Together):
     #: profiles took 1.04 and 1.10, and the median of the rounds modelled the step 13%
     #: above the 45.8 ms it trained at.
     FAST_PHASE = 0.03
+    #: The plain step of :meth:`profile`'s fast phase, and whether it timed
+    #: recomputation: what :meth:`part_host` measures beside them.
+    fastest_plain_ms: float | None = None
+    recompute = True
 
     def _rounds(
         self, configs: dict[str, dict[str, Any]]
@@ -341,7 +347,10 @@ class _HostAndDevice(_Together):
         # Times from the rounds of the fast phase; what a choice adds from every round,
         # each scaled to the fast phase (more rounds: a steadier difference).
         fast = fast_rounds(plain_rounds, self.FAST_PHASE)
-        speed = paces(plain_rounds, fast)
+        # Later probes (part_host) are paced against this fast phase too.
+        self.fastest_plain_ms = min(plain_rounds[i] for i in fast)
+        self.recompute = recompute
+        speed = paces(plain_rounds, self.fastest_plain_ms)
         rounds = {name: [runs[i] for i in fast] for name, runs in every_round.items()}
         plain_rounds = [plain_rounds[i] for i in fast]
         kept_runs = flat(rounds["keep"])
@@ -400,13 +409,17 @@ class _HostAndDevice(_Together):
 
     def part_host(self, profile: Profile) -> Profile:
         """``profile`` (with parts) with the host's fixed cost per part, from probes in
-        rounds beside a step of kept layers (:mod:`._parts_host`)."""
-        probes = part_probes(profile)
+        rounds beside a step of kept layers (:mod:`._parts_host`), paced against the fast
+        phase of :meth:`profile`'s rounds, whose host times the fixed costs go beside."""
+        probes = part_probes(profile, recompute=self.recompute, offload=not use_v1())
         if not probes:
             return profile
         configs = {"keep": {"offloaded": (), "recomputed": ()}, **probes}
         every_round, plain_rounds = self._rounds(configs)
-        speed = paces(plain_rounds, fast_rounds(plain_rounds, self.FAST_PHASE))
+        fastest = self.fastest_plain_ms
+        if fastest is None:  # part_host before profile: its own fast phase
+            fastest = min(plain_rounds[i] for i in fast_rounds(plain_rounds, self.FAST_PHASE))
+        speed = paces(plain_rounds, fastest)
         return with_part_host(profile, probes, every_round, speed)
 
 

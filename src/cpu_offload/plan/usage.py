@@ -145,25 +145,36 @@ def _use_of_parts(cost: LayerCost, parts: Parts, engaged: bool) -> Use:
         rerun_share = _rerun_share(cost, host, rerun_host_ms, rerun_ms)
         engaged_f = host.engaged_forward_ms if engaged or parts.offloads else 0.0
         engaged_b = host.engaged_backward_ms if engaged or parts.offloads else 0.0
-        # Each part on its own pays a fixed cost beyond its share (its own checkpoint, or
-        # hooks and groups): see cpu_offload.plan._parts_host.
+        # Each part on its own pays a fixed cost (its own checkpoint, or its own hooks and
+        # groups), which the whole layer's cost holds once: the shares are of the rest
+        # (cpu_offload.plan._parts_host).
         n_rerun = sum(1 for _, c in parts.choices if c is Choice.RECOMPUTE)
         n_sent = sum(1 for _, c in parts.choices if c is Choice.OFFLOAD)
         host_f = (
             host.forward_ms
             + engaged_f
-            + moved_share * max(host.offload_forward_ms - host.engaged_forward_ms, 0.0)
-            + rerun_share * host.recompute_forward_ms
-            + n_rerun * host.part_recompute_forward_ms
-            + n_sent * host.part_offload_forward_ms
+            + _shared(
+                moved_share,
+                host.offload_forward_ms - host.engaged_forward_ms,
+                n_sent,
+                host.part_offload_forward_ms,
+            )
+            + _shared(
+                rerun_share, host.recompute_forward_ms, n_rerun, host.part_recompute_forward_ms
+            )
         )
         host_b = (
             host.backward_ms
             + engaged_b
-            + moved_share * max(host.offload_backward_ms - host.engaged_backward_ms, 0.0)
-            + rerun_share * host.recompute_backward_ms
-            + n_rerun * host.part_recompute_backward_ms
-            + n_sent * host.part_offload_backward_ms
+            + _shared(
+                moved_share,
+                host.offload_backward_ms - host.engaged_backward_ms,
+                n_sent,
+                host.part_offload_backward_ms,
+            )
+            + _shared(
+                rerun_share, host.recompute_backward_ms, n_rerun, host.part_recompute_backward_ms
+            )
         )
     return Use(
         resident,
@@ -177,6 +188,13 @@ def _use_of_parts(cost: LayerCost, parts: Parts, engaged: bool) -> Use:
         offloaded=parts.offloads,
         ahead_ms=_ahead_ms(cost, copies),
     )
+
+
+def _shared(share: float, whole_ms: float, parts: int, fixed_ms: float) -> float:
+    """The host time ``parts`` parts add that make up ``share`` of a layer whose whole
+    costs ``whole_ms`` (one fixed cost of ``fixed_ms`` in it): their share of the rest,
+    and a fixed cost each."""
+    return share * max(whole_ms - fixed_ms, 0.0) + parts * fixed_ms
 
 
 def _rerun_share(cost: LayerCost, host: HostCost, rerun_host_ms: float, rerun_ms: float) -> float:
