@@ -186,15 +186,21 @@ def test_bad_windows_are_refused():
         PeakWatch(lambda: 0, [Window(0, 1, 4)], 4)
 
 
-@pytest.mark.parametrize("seed", range(200))
-def test_what_is_kept_never_raises_the_peak(seed):
-    """On random profiles, keeping the chosen bytes leaves every interval within the peak."""
-    rng = random.Random(seed)
+def _random_windows(rng: random.Random) -> tuple[int, list[Window]]:
+    """A random number of points, and one to four windows within them."""
     points = rng.randint(3, 12)
     windows = []
     for layer in range(rng.randint(1, 4)):
         start = rng.randint(0, points - 2)
         windows.append(Window(layer, start, rng.randint(start + 1, points - 1)))
+    return points, windows
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_what_is_kept_never_raises_the_peak(seed):
+    """On random profiles, keeping the chosen bytes leaves every interval within the peak."""
+    rng = random.Random(seed)
+    points, windows = _random_windows(rng)
     candidates = {w.layer: rng.randint(0, 40) for w in windows}
     peaks = [rng.randint(0, 100) for _ in range(points)]
     after = rng.choice([0, rng.randint(0, 150)])
@@ -299,11 +305,7 @@ def test_what_budgets_keep_never_raises_the_peak(seed):
     """On random profiles, bases and budgets together keep every interval within the
     peak, less the margin wherever a budget adds bytes."""
     rng = random.Random(seed)
-    points = rng.randint(3, 12)
-    windows = []
-    for layer in range(rng.randint(1, 4)):
-        start = rng.randint(0, points - 2)
-        windows.append(Window(layer, start, rng.randint(start + 1, points - 1)))
+    points, windows = _random_windows(rng)
     candidates = {w.layer: rng.randint(0, 400) for w in windows}
     units = {w.layer: (0, rng.randint(0, 4000)) for w in windows}
     peaks = [rng.randint(0, PEAK) for _ in range(points)]
