@@ -11,7 +11,10 @@ first step are bit-identical to the run without a plan, and the fastest single m
 is at or below the plan's, all measured in the same process. Steps are timed as users
 train (no ``CUBLAS_WORKSPACE_CONFIG``, no deterministic algorithms: see
 ``_report.timed_as_users_train``); the numerics are compared afterwards with
-deterministic kernels.
+deterministic kernels. The host's speed on a shared machine drifts in phases: each
+measurement lies between two runs of the profile's host probe, and the figures over the
+rounds the probe read calm (the host speed the profile models) are reported beside those
+over every round.
 
     python benchmarks/plan.py --json plan.json --markdown plan.md
     python benchmarks/plan.py --quick        # smaller models, about a minute
@@ -62,6 +65,8 @@ from cpu_offload.plan import (  # noqa: E402
     search,
     single_methods,
 )
+from cpu_offload.plan._probe import host_probe_ms  # noqa: E402
+from cpu_offload.plan._rounds import calm_reference, host_paces  # noqa: E402
 from cpu_offload.plan.profile import measure_choices  # noqa: E402
 
 # Each workload: its builder and its dimensions, full and --quick.
@@ -174,27 +179,40 @@ def _alternated(  # type: ignore[no-untyped-def]
     the configurations in turn: a drift of the host's speed during the run then touches
     all of them alike instead of the few measured while it lasted. A configuration is a
     plan's choices, or a function that installs a model's own method (its context manager
-    removes it again), run with every layer kept."""
+    removes it again), run with every layer kept.
+
+    Each measurement also lies between two runs of the profile's host probe (NOTE [The
+    host's pace] in ``cpu_offload/plan/_rounds.py``): ``calm_ms`` is the median of the
+    rounds whose probe read the host calm, the speed the profile models."""
     keep = [Choice.KEEP] * len(find_layers(model))
     medians: dict[str, list[float]] = {label: [] for label in configs}
+    probes: dict[str, list[float]] = {label: [] for label in configs}
     peaks: dict[str, int] = {}
     for _ in range(rounds):
         for label, config in configs.items():
+            before = host_probe_ms()
             own = config() if callable(config) else contextlib.nullcontext()
             with own:
                 choices = keep if callable(config) else config
                 ms, peak = measure_choices(model, step, choices, steps=steps, warmup=warmup)
+            probes[label].append(max(before, host_probe_ms()))
             assert peak is not None
             _release_pinned_cache()
             medians[label].append(ms)
             peaks[label] = max(peaks.get(label, 0), peak)
-    return {
-        label: {
+    reference = calm_reference(ms for values in probes.values() for ms in values)
+    out = {}
+    for label, ms in medians.items():
+        paced = host_paces(probes[label], reference)
+        calm = [t for t, pace in zip(ms, paced, strict=True) if pace == 1.0]
+        out[label] = {
             "measured": [statistics.median(ms), peaks[label]],
             "round_medians_ms": ms,
+            "round_probes_ms": probes[label],
+            "calm_ms": statistics.median(calm) if calm else None,
+            "calm_rounds": len(calm),
         }
-        for label, ms in medians.items()
-    }
+    return out
 
 
 def _own_methods(model: nn.Module) -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
@@ -331,6 +349,13 @@ def _timed(  # type: ignore[no-untyped-def]
         final = got["final"]
         fits = [(v["measured"][0], k) for k, v in singles.items() if v["measured"][1] <= peak]
         best = min(fits) if fits else None
+        calm_ms = timed[f"plan {fraction}"]["calm_ms"]
+        calm_fits = [
+            (v["calm_ms"], k)
+            for k, v in singles.items()
+            if v["measured"][1] <= peak and v["calm_ms"] is not None
+        ]
+        best_calm = min(calm_fits) if calm_fits and calm_ms is not None else None
         rows.append(
             {
                 "fraction": fraction,
@@ -352,6 +377,14 @@ def _timed(  # type: ignore[no-untyped-def]
                 / min(timed[f"plan {fraction}"]["round_medians_ms"])
                 - 1,
                 "model_peak_error": plan.peak_bytes / got["first_peak"] - 1,
+                # Against the rounds of a calm host (NOTE [The host's pace]).
+                "calm_ms": calm_ms,
+                "calm_rounds": timed[f"plan {fraction}"]["calm_rounds"],
+                "model_step_error_calm": None if calm_ms is None else final.step_ms / calm_ms - 1,
+                "best_single_calm": None if best_calm is None else best_calm[1],
+                "speedup_vs_best_single_calm": None
+                if best_calm is None
+                else best_calm[0] / calm_ms,
                 "best_single": None if best is None else best[1],
                 "best_single_measured": None if best is None else singles[best[1]]["measured"],
                 "speedup_vs_best_single": None if best is None else best[0] / ms,
@@ -388,6 +421,20 @@ def _parts_text(parts: dict[str, dict[str, str]]) -> str:
     )
 
 
+def _calm_text(row: dict, singles: dict) -> str:
+    """The plan's figures over the rounds its host probe read calm."""
+    if row["calm_ms"] is None:
+        return "no calm round"
+    text = f"{row['calm_ms']:.1f} ({row['calm_rounds']}), {row['model_step_error_calm']:+.1%}"
+    best = row["best_single_calm"]
+    if best is None:
+        return text
+    return (
+        f"{text}, {best} ({singles[best]['calm_ms']:.1f}), "
+        f"{row['speedup_vs_best_single_calm']:.2f}x"
+    )
+
+
 def _spread(round_medians: list[float]) -> float:
     """How far a configuration's rounds lie apart: (slowest - fastest) / median."""
     return (max(round_medians) - min(round_medians)) / statistics.median(round_medians)
@@ -418,12 +465,12 @@ def _markdown(results: list[dict], device: str, rounds: int, steps: int, warmup:
             "",
             "| budget GiB | plan | modelled ms / GiB | measured ms / GiB | spread of the rounds "
             "| model error step (fastest round) / peak | exact | best single method at <= peak | its ms / GiB "
-            "| plan speedup |",
-            "|---:|---|---:|---:|---:|---:|---|---|---:|---:|",
+            "| plan speedup | calm rounds: plan ms (rounds), model error, best single (ms), speedup |",
+            "|---:|---|---:|---:|---:|---:|---|---|---:|---:|---|",
         ]
         for r in res["rows"]:
             if "error" in r:
-                out.append(f"| {r['budget_bytes'] / gib:.2f} | {r['error']} | | | | | | | | |")
+                out.append(f"| {r['budget_bytes'] / gib:.2f} | {r['error']} | | | | | | | | | |")
                 continue
             best = r["best_single_measured"]
             plan = r["plan"]
@@ -444,7 +491,7 @@ def _markdown(results: list[dict], device: str, rounds: int, steps: int, warmup:
                     if r["speedup_vs_best_single"] is None
                     else f"{r['speedup_vs_best_single']:.2f}x"
                 )
-                + " |"
+                + f" | {_calm_text(r, res['singles'])} |"
             )
         for r in res["rows"]:
             if r.get("parts"):

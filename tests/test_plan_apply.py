@@ -5,6 +5,7 @@ CPU stand-in: the layers run on the CPU, offloaded tensors go through ``HostTran
 
 from __future__ import annotations
 
+import math
 import warnings
 from pathlib import Path
 
@@ -201,10 +202,11 @@ def test_the_plain_step_is_the_median_of_the_rounds(monkeypatch: pytest.MonkeyPa
     assert estimate(profile, [Choice.KEEP] * LAYERS).step_ms == pytest.approx(1000.0)
 
 
-def test_only_the_rounds_of_the_hosts_fast_phase_count(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Three slow rounds of five (the host's slow phase), and every probed step of a slow
-    # round 1.5 times as long on the host: the plain step and the host's times come from
-    # the two fast rounds.
+def test_the_hosts_slow_phase_is_paced_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Three slow rounds of five (the host's slow phase): the plain step 1.5 times as
+    # long, every probed step 1.5 times as long on the host, and the host probes beside
+    # them too. The plain step comes from the two fast rounds; the host's times from
+    # every round, the slow ones paced back (NOTE [The host's pace]).
     import cpu_offload.plan.profile as profile_module
 
     slow = [False, True, False, True, True]
@@ -214,14 +216,15 @@ def test_only_the_rounds_of_the_hosts_fast_phase_count(monkeypatch: pytest.Monke
     real_rounds = profile_module._HostAndDevice._rounds
 
     def rounds_with_phases(self, configs):  # type: ignore[no-untyped-def]
-        out, plain = real_rounds(self, configs)
+        out, plain, probes = real_rounds(self, configs)
         for i in range(len(plain)):
             factor = 1.5 if next(rounds) else 1.0
-            for runs in out.values():
+            for name, runs in out.items():
+                probes[name][i] = factor * 5.0
                 for run in runs[i]:
                     run.host_forward = [factor * 2.0] * len(run.host_forward)
                     run.host_backward = [factor * 3.0] * len(run.host_backward)
-        return out, plain
+        return out, plain, probes
 
     monkeypatch.setattr(profile_module._HostAndDevice, "_rounds", rounds_with_phases)
     model = _encoder()
@@ -229,7 +232,9 @@ def test_only_the_rounds_of_the_hosts_fast_phase_count(monkeypatch: pytest.Monke
     profile = profile_model(
         model, lambda: model(x).sum(), steps=2, host=True, min_tensor_size_to_offload=1024
     )
-    assert all(c.host.forward_ms == 2.0 and c.host.backward_ms == 3.0 for c in profile.layers)
+    for cost in profile.layers:
+        assert cost.host.forward_ms == pytest.approx(2.0)
+        assert cost.host.backward_ms == pytest.approx(3.0)
     assert estimate(profile, [Choice.KEEP] * LAYERS).step_ms == pytest.approx(1000.0)
     assert profile_module.fast_rounds([1000.0, 1020.0, 1040.0], 0.03) == [0, 1]
     assert profile_module.fast_rounds([float("nan"), 1000.0, 1040.0], 0.03) == [1]
@@ -284,20 +289,40 @@ def test_offloadings_host_time_is_split_into_the_engines_share_and_the_layers() 
     }
 
 
-def test_what_a_choice_adds_is_scaled_to_the_fast_phase() -> None:
-    from cpu_offload.plan._rounds import extra
+def test_what_a_choice_adds_comes_from_the_rounds_of_a_calm_host() -> None:
+    from cpu_offload.plan._rounds import extra, picked, quiet_rounds
 
-    # Recomputing adds 1 ms a layer in the fast rounds; the second round runs 1.5 times
-    # slower (its plain step too), which the round's speed of 2/3 takes out.
+    # Recomputing adds 1 ms a layer on a calm host; in the second and third rounds the
+    # host ran 1.5 times slower for the recomputed steps only, and the probes say so.
     def runs(extra: float, pace: float) -> list[_Times]:
         return [_Times([pace * (2.0 + extra)] * 4, [pace * 4.0] * 4)] * 3
 
-    paces = (1.0, 1.5, 1.5)
-    recomputed = [runs(1.0, p) for p in paces]
-    kept = [runs(0.0, p) for p in paces]
-    assert extra(recomputed, kept, "host_forward", 4) == pytest.approx(1.5)
-    speed = [1 / p for p in paces]
-    assert extra(recomputed, kept, "host_forward", 4, speed=speed) == pytest.approx(1.0)
+    recomputed = [runs(1.0, p) for p in (1.0, 1.5, 1.5)]
+    kept = [runs(0.0, 1.0)] * 3
+    # Over every round the slow phase reads as cost.
+    assert extra(recomputed, kept, "host_forward", 4) == pytest.approx(2.5)
+    quiet = quiet_rounds([True, False, False], [True, True, True])
+    assert quiet == [0]
+    assert extra(picked(recomputed, quiet), picked(kept, quiet), "host_forward", 4) == 1.0
+
+
+def test_the_host_probe_reads_each_configuration_calm_or_slow() -> None:
+    from cpu_offload.plan._probe import host_probe_ms
+    from cpu_offload.plan._rounds import HOST_NOISE, calm, calm_reference, quiet_rounds
+
+    assert host_probe_ms(ops=200) > 0
+    # Five calm probes and three of a slow phase: the reference is the calm speed.
+    probes = [5.0, 5.1, 5.2, 5.0, 10.0, 5.1, 7.5, 12.5]
+    reference = calm_reference(probes)
+    assert 5.0 <= reference <= 5.1
+    assert calm(probes, reference) == [True, True, True, True, False, True, False, False]
+    # The probe's own jitter on a calm host is not a phase.
+    assert calm([(1 + HOST_NOISE) * 5.0], 5.0) == [True]
+    assert calm([5.0, 50.0], float("nan")) == [True, True]
+    assert math.isnan(calm_reference([float("nan"), 0.0]))
+    assert calm_reference([7.0]) == 7.0
+    # No round in which both configurations were calm: every round counts.
+    assert quiet_rounds([False, True], [True, False]) == [0, 1]
 
 
 def test_profile_step_that_skips_layers() -> None:

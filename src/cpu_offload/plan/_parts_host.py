@@ -17,12 +17,12 @@ host beyond what the shares model, per part, is the fixed cost
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
 from ._probe import StepTimes
-from ._rounds import extra
+from ._rounds import extra, picked, quiet_rounds
 from .costs import Choice, HostCost, LayerCost, Parts
 from .model import Profile
 from .usage import use_of
@@ -108,7 +108,7 @@ def with_part_host(
     profile: Profile,
     probes: Mapping[str, Mapping[str, Any]],
     rounds: Mapping[str, list[list[StepTimes]]],
-    speed: list[float],
+    quiet: Mapping[str, Sequence[bool]],
 ) -> Profile:
     """``profile`` with the host's fixed cost per part, from the probes' rounds.
 
@@ -122,8 +122,10 @@ def with_part_host(
         probes: :func:`part_probes` of it.
         rounds: Each probe's probed steps per round, and ``"keep"``'s (no layer
             offloaded or recomputed) of the same rounds.
-        speed: Each round's pace against the fast phase the profile's other host times
-            were taken in (:func:`._rounds.paces`).
+        quiet: Whether each configuration's host probe read the host calm, per round,
+            against the reference of the profile's other host times
+            (:func:`._rounds.calm`): each probe's fixed cost comes from the rounds in
+            which it and ``"keep"`` were calm.
     """
     layers = [
         c if c.host is None else replace(c, host=_without_part_costs(c.host))
@@ -138,10 +140,13 @@ def with_part_host(
             _only(c, next(iter(chosen[j])), choice) if j in chosen else Choice.KEEP
             for j, c in enumerate(layers)
         ]
+        both = quiet_rounds(quiet[probe], quiet["keep"])
         for way in ("forward", "backward"):
             name = f"part_{probe}_{way}_ms"
             field = f"host_{way}_ms"
-            measured = extra(rounds[probe], rounds["keep"], f"host_{way}", 1, speed=speed)
+            measured = extra(
+                picked(rounds[probe], both), picked(rounds["keep"], both), f"host_{way}", 1
+            )
             base = _modelled(layers, plan, engaged, field)
             tiny = [
                 c if c.host is None else replace(c, host=replace(c.host, **{name: _PROBE_MS}))

@@ -27,6 +27,7 @@ __all__ = [
     "Clock",
     "Probe",
     "StepTimes",
+    "host_probe_ms",
     "median_times",
     "plain_step_ms",
     "scaled_times",
@@ -341,6 +342,18 @@ def plain_step_ms(step: Callable[[], torch.Tensor], clock: Clock, steps: int) ->
             torch.cuda.synchronize()
         times.append(clock.ms(start, end))
     return statistics.median(times)
+
+
+def host_probe_ms(ops: int = 2000) -> float:
+    """Time (ms) of a fixed piece of the host's work: ``ops`` additions of a tiny CPU
+    tensor, through Python and PyTorch's dispatcher as a step's launches go, with no
+    device work to wait for. A slow phase of the host stretches it as it stretches the
+    host's part of a step (NOTE [The host's pace])."""
+    value = torch.zeros(2)
+    start = time.perf_counter()
+    for _ in range(ops):
+        value = value + 1.0
+    return (time.perf_counter() - start) * 1e3
 
 
 def sleep_cycles(host_ms: Sequence[float], margin_ms: float = 0.5) -> list[int]:

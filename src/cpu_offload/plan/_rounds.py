@@ -4,20 +4,51 @@ The host's speed drifts by tens of percent over seconds on a shared machine (pha
 about a second, seen on the H100 host of our benchmarks). The profile therefore times
 its configurations in rounds, each round taking every configuration once beside a plain
 step: what a choice adds is the difference of two configurations measured in the same
-round, median over rounds, each round's difference scaled by its pace (the fast phase's
-plain step over the round's); and the plain step and the host's own times come from the
-rounds of the fast phase only (:func:`fast_rounds`).
+round, median over the rounds in which the host ran calm (NOTE [The host's pace]); the
+plain step and the device's times come from the rounds of the fast phase of the plain
+step (:func:`fast_rounds`).
 """
+
+# NOTE [The host's pace]
+# A plain step bounded by the device hides the host's phases: on an H100 host a
+# transformers Llama's plain step stayed at 48 to 49 ms while the same plan's host time
+# per step went from 17 to 30 ms and back within seconds. Choosing the rounds of the fast
+# phase by the plain step then kept slow phases in the profile (a whole layer's
+# recomputation read 2.44 ms of host time in one profile and 1.72 in the next). Each
+# configuration of a round is therefore timed between two runs of a fixed piece of
+# host-only work (:func:`._probe.host_probe_ms`), which a slow phase stretches as it
+# stretches the host's part of a step: over 45 s of alternation on that host, the probe
+# and a host-bound plan's CPU time per step correlated at 0.79. The slower of the two
+# runs is the configuration's probe. The calm reference is the lower quartile of every
+# probe of the profile; a probe within :data:`HOST_NOISE` of it is calm. The host's
+# times come from calm configurations only, and what a choice adds from rounds where
+# both configurations were calm (every round where none is). They are not scaled by
+# the probe: in slow phases the probe ran up to 2.3 times its calm time where the
+# plan's CPU time ran 1.9 times, and scaling by it modelled plans up to 13% fast.
 
 from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from ._probe import StepTimes, median_times
 
-__all__ = ["extra", "fast_rounds", "flat", "offload_extras", "paces"]
+__all__ = [
+    "HOST_NOISE",
+    "calm",
+    "calm_reference",
+    "extra",
+    "fast_rounds",
+    "flat",
+    "offload_extras",
+    "picked",
+    "quiet_rounds",
+]
+
+#: A probe within this share of the calm reference is calm: the probe's own jitter on a
+#: calm host (NOTE [The host's pace]).
+HOST_NOISE = 0.10
 
 
 def fast_rounds(plain_ms: Sequence[float], share: float) -> list[int]:
@@ -35,18 +66,51 @@ def fast_rounds(plain_ms: Sequence[float], share: float) -> list[int]:
     return [i for i, ms in enumerate(plain_ms) if ms <= fastest * (1 + share)]
 
 
-def paces(plain_ms: Sequence[float], fastest: float) -> list[float]:
-    """Each round's pace: the fast phase's plain step ``fastest`` over the round's (1
-    where a time is not finite).
+def calm_reference(probe_ms: Iterable[float]) -> float:
+    """The host's calm speed: the lower quartile of ``probe_ms`` (NOTE [The host's pace]).
 
     Example:
-        >>> paces([50.0, 40.0, 80.0], 40.0)
-        [0.8, 1.0, 0.5]
+        >>> round(calm_reference([5.0, 5.2, 9.0, 5.1, 8.0, 5.0, 7.5, 5.3]), 3)
+        5.075
     """
-    return [
-        fastest / ms if math.isfinite(ms) and ms > 0 and math.isfinite(fastest) else 1.0
-        for ms in plain_ms
-    ]
+    finite = sorted(ms for ms in probe_ms if math.isfinite(ms) and ms > 0)
+    if not finite:
+        return math.nan
+    if len(finite) == 1:
+        return finite[0]
+    return statistics.quantiles(finite, n=4, method="inclusive")[0]
+
+
+def calm(probe_ms: Sequence[float], reference: float) -> list[bool]:
+    """Whether each probe read the host calm: within :data:`HOST_NOISE` of the calm
+    ``reference`` (or either is not finite, which says nothing of the host).
+
+    Example:
+        >>> calm([5.0, 5.4, 10.0, float("nan")], 5.0)
+        [True, True, False, True]
+    """
+    if not math.isfinite(reference):
+        return [True] * len(probe_ms)
+    return [not (math.isfinite(ms) and ms > (1 + HOST_NOISE) * reference) for ms in probe_ms]
+
+
+def quiet_rounds(*calms: Sequence[bool]) -> list[int]:
+    """The rounds in which every configuration read the host calm; every round where
+    there is none.
+
+    Example:
+        >>> quiet_rounds([True, False, True], [True, True, False])
+        [0]
+        >>> quiet_rounds([False, True], [True, False])
+        [0, 1]
+    """
+    rounds = [i for i, flags in enumerate(zip(*calms, strict=True)) if all(flags)]
+    return rounds or list(range(len(calms[0])))
+
+
+def picked(rounds: Sequence[list[StepTimes]], which: Sequence[int]) -> list[list[StepTimes]]:
+    """The rounds ``which`` of ``rounds``."""
+    return [rounds[i] for i in which]
 
 
 def flat(rounds: list[list[StepTimes]]) -> list[StepTimes]:
@@ -59,21 +123,17 @@ def extra(
     field: str,
     per: int,
     layers: Sequence[int] | None = None,
-    speed: Sequence[float] | None = None,
 ) -> float:
     """Host time ``variant`` took beyond ``kept`` in ``layers`` (all if None), per ``per``
-    layers: the median over rounds of each round's difference, each scaled by its
-    round's ``speed`` (the fast phase's plain step over the round's: a slow phase of the
-    host stretches a difference as it stretches the step).
+    layers: the median over rounds of each round's difference.
 
     At least 0: a difference below 0 is the host's noise, not a saving.
     """
     diffs = []
-    speeds = [1.0] * len(kept) if speed is None else speed
-    for v, k, pace in zip(variant, kept, speeds, strict=True):
+    for v, k in zip(variant, kept, strict=True):
         vm, km = median_times(v, field), median_times(k, field)
         js = range(len(vm)) if layers is None else layers
-        diffs.append(pace * sum(vm[j] - km[j] for j in js))
+        diffs.append(sum(vm[j] - km[j] for j in js))
     return max(statistics.median(diffs) / per, 0.0)
 
 
@@ -82,7 +142,6 @@ def offload_extras(
     kept: list[list[StepTimes]],
     n: int,
     m: int,
-    speed: Sequence[float] | None = None,
 ) -> dict[str, float]:
     """The host time offloading the first ``m`` of ``n`` layers adds, split in two.
 
@@ -96,8 +155,8 @@ def offload_extras(
     out = {}
     for way, clean in (("forward", range(m + 1, n)), ("backward", range(n - 1, n))):
         field = f"host_{way}"
-        engaged = extra(offload, kept, field, len(clean), clean, speed) if clean else 0.0
-        total = extra(offload, kept, field, 1, speed=speed)
+        engaged = extra(offload, kept, field, len(clean), clean) if clean else 0.0
+        total = extra(offload, kept, field, 1)
         out[f"engaged_{way}_ms"] = engaged
         out[f"offload_{way}_ms"] = max((total - (n - m) * engaged) / m, 0.0)
     return out

@@ -39,13 +39,23 @@ from ._parts_probe import PartsSpec, check_parts_spec, with_parts
 from ._probe import (
     Clock,
     StepTimes,
+    host_probe_ms,
     median_times,
     plain_step_ms,
     scaled_times,
     sleep_cycles,
     timed_step,
 )
-from ._rounds import extra, fast_rounds, flat, offload_extras, paces
+from ._rounds import (
+    calm,
+    calm_reference,
+    extra,
+    fast_rounds,
+    flat,
+    offload_extras,
+    picked,
+    quiet_rounds,
+)
 from .model import Choice, HostCost, LayerCost, Link, Profile, estimate
 
 __all__ = ["measure_choices", "measure_host_link", "profile_model"]
@@ -301,36 +311,37 @@ class _HostAndDevice(_Together):
                 for _ in range(self.steps)
             ]
 
-    #: Rounds that take the host's configurations in turn. The host's speed drifts by
-    #: tens of percent over seconds on a shared machine (phases of about a second, seen
-    #: on the H100 host of our benchmarks): what a choice adds is the difference of two
-    #: configurations measured in the same round, median over rounds, and the plain
-    #: step is the median of its rounds' times. Only the rounds of the host's fast
-    #: phase count (see :data:`FAST_PHASE`).
+    #: Rounds that take the host's configurations in turn (see :mod:`._rounds`): the
+    #: plain step and the device's times come from the rounds of the fast phase (see
+    #: :data:`FAST_PHASE`), the host's times from every round, those its host probe
+    #: read calm (NOTE [The host's pace]).
     ROUNDS = 5
-    #: A round counts when its plain step is within this share of the fastest round's.
-    #: Slow phases make a step longer, never shorter, and can last several rounds: on an
-    #: H100 host the first profile of a process timed Megatron-Core's GPT at 53.1, 46.4,
-    #: 46.3, 51.9 and 52.3 ms, its host at 1.77 ms a layer's forward where the next two
-    #: profiles took 1.04 and 1.10, and the median of the rounds modelled the step 13%
-    #: above the 45.8 ms it trained at.
+    #: A round is of the fast phase when its plain step is within this share of the
+    #: fastest round's. Slow phases make a step longer, never shorter, and can last
+    #: several rounds: on an H100 host the first profile of a process timed
+    #: Megatron-Core's GPT at 53.1, 46.4, 46.3, 51.9 and 52.3 ms, and the median of the
+    #: rounds modelled the step 13% above the 45.8 ms it trained at.
     FAST_PHASE = 0.03
-    #: The plain step of :meth:`profile`'s fast phase, and whether it timed
+    #: The calm reference of :meth:`profile`'s host probes, and whether it timed
     #: recomputation: what :meth:`part_host` measures beside them.
-    fastest_plain_ms: float | None = None
+    calm_probe_ms: float | None = None
     recompute = True
 
     def _rounds(
         self, configs: dict[str, dict[str, Any]]
-    ) -> tuple[dict[str, list[list[StepTimes]]], list[float]]:
-        """Each configuration's probed steps per round, and the plain step's time per round."""
+    ) -> tuple[dict[str, list[list[StepTimes]]], list[float], dict[str, list[float]]]:
+        """Each configuration's probed steps per round, the plain step's time per round,
+        and each configuration's host probe per round (NOTE [The host's pace])."""
         out: dict[str, list[list[StepTimes]]] = {name: [] for name in configs}
+        probes: dict[str, list[float]] = {name: [] for name in configs}
         plain = []
         for _ in range(self.ROUNDS):
             plain.append(plain_step_ms(self.step, self.clock, self.steps))
             for name, kwargs in configs.items():
+                before = host_probe_ms()
                 out[name].append(self._under(self.steps, **kwargs))
-        return out, plain
+                probes[name].append(max(before, host_probe_ms()))
+        return out, plain, probes
 
     def profile(self, base: Profile, costs: list[LayerCost], recompute: bool) -> Profile:
         n = len(self.layers)
@@ -343,40 +354,44 @@ class _HostAndDevice(_Together):
         if n > 1:
             # Half the layers (at least one, never the last) through the engine.
             configs["offload"] = {"offloaded": range(m), "recomputed": ()}
-        every_round, plain_rounds = self._rounds(configs)
-        # Times from the rounds of the fast phase; what a choice adds from every round,
-        # each scaled to the fast phase (more rounds: a steadier difference).
+        every_round, plain_rounds, probes = self._rounds(configs)
+        # The device's times and the plain step from the rounds of the fast phase; the
+        # host's times, and what a choice adds to them, from the rounds of a calm host
+        # (NOTE [The host's pace]).
         fast = fast_rounds(plain_rounds, self.FAST_PHASE)
-        # Later probes (part_host) are paced against this fast phase too.
-        self.fastest_plain_ms = min(plain_rounds[i] for i in fast)
+        self.calm_probe_ms = calm_reference(v for ms in probes.values() for v in ms)
         self.recompute = recompute
-        speed = paces(plain_rounds, self.fastest_plain_ms)
-        rounds = {name: [runs[i] for i in fast] for name, runs in every_round.items()}
+        quiet = {name: calm(ms, self.calm_probe_ms) for name, ms in probes.items()}
         plain_rounds = [plain_rounds[i] for i in fast]
-        kept_runs = flat(rounds["keep"])
-        host_f = median_times(kept_runs, "host_forward")
-        host_b = median_times(kept_runs, "host_backward")
+        kept_runs = flat(picked(every_round["keep"], fast))
+        calm_kept = flat(picked(every_round["keep"], quiet_rounds(quiet["keep"])))
+        host_f = median_times(calm_kept, "host_forward")
+        host_b = median_times(calm_kept, "host_backward")
         device = self._device_times(kept_runs, **keep)
         dev_f = median_times(device, "forward")
         dev_b = median_times(device, "backward")
         host = HostCost(forward_ms=0.0, backward_ms=0.0)
         rerun = list(dev_f)
         if recompute:
-            runs = flat(rounds["recompute"])
+            runs = flat(picked(every_round["recompute"], fast))
             rerun = [
                 max(b - kb, 0.0)
                 for b, kb in zip(
                     median_times(self._device_times(runs, **every), "backward"), dev_b, strict=True
                 )
             ]
-            again, plain = every_round["recompute"], every_round["keep"]
+            both = quiet_rounds(quiet["recompute"], quiet["keep"])
+            again, plain = picked(every_round["recompute"], both), picked(every_round["keep"], both)
             host = replace(
                 host,
-                recompute_forward_ms=extra(again, plain, "host_forward", n, speed=speed),
-                recompute_backward_ms=extra(again, plain, "host_backward", n, speed=speed),
+                recompute_forward_ms=extra(again, plain, "host_forward", n),
+                recompute_backward_ms=extra(again, plain, "host_backward", n),
             )
         if n > 1:
-            extras = offload_extras(every_round["offload"], every_round["keep"], n, m, speed)
+            both = quiet_rounds(quiet["offload"], quiet["keep"])
+            extras = offload_extras(
+                picked(every_round["offload"], both), picked(every_round["keep"], both), n, m
+            )
             host = replace(host, **extras)
         layers = tuple(
             replace(
@@ -409,18 +424,16 @@ class _HostAndDevice(_Together):
 
     def part_host(self, profile: Profile) -> Profile:
         """``profile`` (with parts) with the host's fixed cost per part, from probes in
-        rounds beside a step of kept layers (:mod:`._parts_host`), paced against the fast
-        phase of :meth:`profile`'s rounds, whose host times the fixed costs go beside."""
+        rounds beside a step of kept layers (:mod:`._parts_host`), judged against the calm
+        reference of :meth:`profile`'s rounds, whose host times the fixed costs go beside."""
+        assert self.calm_probe_ms is not None, "part_host runs after profile"
         probes = part_probes(profile, recompute=self.recompute, offload=not use_v1())
         if not probes:
             return profile
         configs = {"keep": {"offloaded": (), "recomputed": ()}, **probes}
-        every_round, plain_rounds = self._rounds(configs)
-        fastest = self.fastest_plain_ms
-        if fastest is None:  # part_host before profile: its own fast phase
-            fastest = min(plain_rounds[i] for i in fast_rounds(plain_rounds, self.FAST_PHASE))
-        speed = paces(plain_rounds, fastest)
-        return with_part_host(profile, probes, every_round, speed)
+        every_round, _, host_probes = self._rounds(configs)
+        quiet = {name: calm(ms, self.calm_probe_ms) for name, ms in host_probes.items()}
+        return with_part_host(profile, probes, every_round, quiet)
 
 
 def measure_choices(
