@@ -66,7 +66,7 @@ from cpu_offload.plan import (  # noqa: E402
     single_methods,
 )
 from cpu_offload.plan._probe import host_probe_ms  # noqa: E402
-from cpu_offload.plan._rounds import calm_reference, host_paces  # noqa: E402
+from cpu_offload.plan._rounds import calm, calm_reference  # noqa: E402
 from cpu_offload.plan.profile import measure_choices  # noqa: E402
 
 # Each workload: its builder and its dimensions, full and --quick.
@@ -203,14 +203,13 @@ def _alternated(  # type: ignore[no-untyped-def]
     reference = calm_reference(ms for values in probes.values() for ms in values)
     out = {}
     for label, ms in medians.items():
-        paced = host_paces(probes[label], reference)
-        calm = [t for t, pace in zip(ms, paced, strict=True) if pace == 1.0]
+        quiet = [t for t, ok in zip(ms, calm(probes[label], reference), strict=True) if ok]
         out[label] = {
             "measured": [statistics.median(ms), peaks[label]],
             "round_medians_ms": ms,
             "round_probes_ms": probes[label],
-            "calm_ms": statistics.median(calm) if calm else None,
-            "calm_rounds": len(calm),
+            "calm_ms": statistics.median(quiet) if quiet else None,
+            "calm_rounds": len(quiet),
         }
     return out
 
