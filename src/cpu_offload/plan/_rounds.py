@@ -17,14 +17,15 @@ step (:func:`fast_rounds`).
 # recomputation read 2.44 ms of host time in one profile and 1.72 in the next). Each
 # configuration of a round is therefore timed between two runs of a fixed piece of
 # host-only work (:func:`._probe.host_probe_ms`), which a slow phase stretches as it
-# stretches the host's part of a step: over 45 s of alternation on that host, the probe
-# and a host-bound plan's CPU time per step correlated at 0.79. The slower of the two
-# runs is the configuration's probe. The calm reference is the lower quartile of every
-# probe of the profile; a probe within :data:`HOST_NOISE` of it is calm. The host's
-# times come from calm configurations only, and what a choice adds from rounds where
-# both configurations were calm (every round where none is). They are not scaled by
-# the probe: in slow phases the probe ran up to 2.3 times its calm time where the
-# plan's CPU time ran 1.9 times, and scaling by it modelled plans up to 13% fast.
+# stretches the host's part of a step: in four runs of 30 to 45 s of alternation on that
+# host (benchmarks/host_pace.py), the probe and a host-bound plan's CPU time per step
+# correlated at 0.66 to 0.88. The slower of the two runs is the configuration's probe.
+# The calm reference is the lower quartile of every probe of the profile; a probe within
+# :data:`HOST_NOISE` of it is calm. The host's times come from calm configurations
+# only, and what a choice adds from rounds where both configurations were calm (every
+# round where none is). They are not scaled by the probe: in slow phases the probe ran
+# up to 2.3 times its calm time where the plan's CPU time ran 1.9 times, and scaling by
+# it modelled plans up to 13% fast.
 
 from __future__ import annotations
 
