@@ -3,7 +3,7 @@
 
 Each turn runs the probe, three steps of a plan of the ``transformers`` Llama of
 ``plan.py`` (wall time, and the forward thread's CPU time until ``backward()`` returns),
-and the probe again. It prints the range of each and their correlations over the turns:
+and the probe again; the slower of the two probes counts, as in the profile. It prints the range of each and their correlations over the turns:
 where the probe reads slow, the same steps should take more of the host's time.
 
     python benchmarks/host_pace.py             # 60 s, the plan ORROKKKKKKRK
@@ -64,7 +64,7 @@ def main() -> None:
         while time.time() < end:
             before = host_probe_ms()
             w, c = zip(*(one() for _ in range(3)), strict=True)
-            probe.append((before + host_probe_ms()) / 2)
+            probe.append(max(before, host_probe_ms()))  # as the profile takes it
             wall.append(statistics.median(w))
             cpu.append(statistics.median(c))
     print(f"plan {letters}, {len(probe)} turns on {torch.cuda.get_device_name()}")

@@ -355,6 +355,11 @@ def _timed(  # type: ignore[no-untyped-def]
             if v["measured"][1] <= peak and v["calm_ms"] is not None
         ]
         best_calm = min(calm_fits) if calm_fits and calm_ms is not None else None
+        # Methods at or below the plan's peak with no calm round are left out of
+        # best_calm: say how many.
+        uncounted = sum(
+            1 for v in singles.values() if v["measured"][1] <= peak and v["calm_ms"] is None
+        )
         rows.append(
             {
                 "fraction": fraction,
@@ -381,6 +386,7 @@ def _timed(  # type: ignore[no-untyped-def]
                 "calm_rounds": timed[f"plan {fraction}"]["calm_rounds"],
                 "model_step_error_calm": None if calm_ms is None else final.step_ms / calm_ms - 1,
                 "best_single_calm": None if best_calm is None else best_calm[1],
+                "singles_without_calm_round": uncounted,
                 "speedup_vs_best_single_calm": None
                 if best_calm is None
                 else best_calm[0] / calm_ms,
@@ -426,12 +432,13 @@ def _calm_text(row: dict, singles: dict) -> str:
         return "no calm round"
     text = f"{row['calm_ms']:.1f} ({row['calm_rounds']}), {row['model_step_error_calm']:+.1%}"
     best = row["best_single_calm"]
-    if best is None:
-        return text
-    return (
-        f"{text}, {best} ({singles[best]['calm_ms']:.1f}), "
-        f"{row['speedup_vs_best_single_calm']:.2f}x"
-    )
+    if best is not None:
+        text += (
+            f", {best} ({singles[best]['calm_ms']:.1f}, {singles[best]['calm_rounds']}), "
+            f"{row['speedup_vs_best_single_calm']:.2f}x"
+        )
+    missing = row.get("singles_without_calm_round", 0)
+    return text + (f"; {missing} method(s) at <= peak without a calm round" if missing else "")
 
 
 def _spread(round_medians: list[float]) -> float:
@@ -464,7 +471,7 @@ def _markdown(results: list[dict], device: str, rounds: int, steps: int, warmup:
             "",
             "| budget GiB | plan | modelled ms / GiB | measured ms / GiB | spread of the rounds "
             "| model error step (fastest round) / peak | exact | best single method at <= peak | its ms / GiB "
-            "| plan speedup | calm rounds: plan ms (rounds), model error, best single (ms), speedup |",
+            "| plan speedup | calm rounds: plan ms (rounds), model error, best single (ms, rounds), speedup |",
             "|---:|---|---:|---:|---:|---:|---|---|---:|---:|---|",
         ]
         for r in res["rows"]:

@@ -202,18 +202,19 @@ def test_the_plain_step_is_the_median_of_the_rounds(monkeypatch: pytest.MonkeyPa
     assert estimate(profile, [Choice.KEEP] * LAYERS).step_ms == pytest.approx(1000.0)
 
 
-def test_the_hosts_slow_phase_is_paced_out(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Three slow rounds of five (the host's slow phase): the plain step 1.5 times as
-    # long, every probed step 1.5 times as long on the host, and the host probes beside
-    # them too. The plain step comes from the two fast rounds; the host's times from
-    # every round, the slow ones paced back (NOTE [The host's pace]).
+def test_the_hosts_slow_phase_is_left_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Three slow rounds of five (the host's slow phase) in which the plain step, bound by
+    # the device, stays flat while every probed step takes 1.5 times as long on the host,
+    # and the host probes beside them read it. The host's times, and what recomputing
+    # and offloading add (1 ms and 0.5 ms a layer's forward on a calm host), come from
+    # the two calm rounds (NOTE [The host's pace]).
     import cpu_offload.plan.profile as profile_module
 
     slow = [False, True, False, True, True]
-    plain_ms = iter([1000.0] + [1500.0 if s else 1000.0 for s in slow])
-    monkeypatch.setattr(profile_module, "plain_step_ms", lambda step, clock, steps: next(plain_ms))
+    monkeypatch.setattr(profile_module, "plain_step_ms", lambda step, clock, steps: 1000.0)
     rounds = iter(slow)
     real_rounds = profile_module._HostAndDevice._rounds
+    adds = {"keep": 0.0, "recompute": 1.0, "offload": 0.5}
 
     def rounds_with_phases(self, configs):  # type: ignore[no-untyped-def]
         out, plain, probes = real_rounds(self, configs)
@@ -222,8 +223,9 @@ def test_the_hosts_slow_phase_is_paced_out(monkeypatch: pytest.MonkeyPatch) -> N
             for name, runs in out.items():
                 probes[name][i] = factor * 5.0
                 for run in runs[i]:
-                    run.host_forward = [factor * 2.0] * len(run.host_forward)
+                    run.host_forward = [factor * (2.0 + adds[name])] * len(run.host_forward)
                     run.host_backward = [factor * 3.0] * len(run.host_backward)
+                    run.host_head_ms = factor * 4.0
         return out, plain, probes
 
     monkeypatch.setattr(profile_module._HostAndDevice, "_rounds", rounds_with_phases)
@@ -235,6 +237,9 @@ def test_the_hosts_slow_phase_is_paced_out(monkeypatch: pytest.MonkeyPatch) -> N
     for cost in profile.layers:
         assert cost.host.forward_ms == pytest.approx(2.0)
         assert cost.host.backward_ms == pytest.approx(3.0)
+        assert cost.host.recompute_forward_ms == pytest.approx(1.0)
+        assert cost.host.engaged_forward_ms == pytest.approx(0.5)
+    assert profile.head_host_ms == pytest.approx(4.0)
     assert estimate(profile, [Choice.KEEP] * LAYERS).step_ms == pytest.approx(1000.0)
     assert profile_module.fast_rounds([1000.0, 1020.0, 1040.0], 0.03) == [0, 1]
     assert profile_module.fast_rounds([float("nan"), 1000.0, 1040.0], 0.03) == [1]
@@ -301,7 +306,7 @@ def test_what_a_choice_adds_comes_from_the_rounds_of_a_calm_host() -> None:
     kept = [runs(0.0, 1.0)] * 3
     # Over every round the slow phase reads as cost.
     assert extra(recomputed, kept, "host_forward", 4) == pytest.approx(2.5)
-    quiet = quiet_rounds([True, False, False], [True, True, True])
+    quiet = quiet_rounds(5.0, [5.0, 7.5, 7.5], [5.0, 5.0, 5.0])
     assert quiet == [0]
     assert extra(picked(recomputed, quiet), picked(kept, quiet), "host_forward", 4) == 1.0
 
@@ -321,8 +326,10 @@ def test_the_host_probe_reads_each_configuration_calm_or_slow() -> None:
     assert calm([5.0, 50.0], float("nan")) == [True, True]
     assert math.isnan(calm_reference([float("nan"), 0.0]))
     assert calm_reference([7.0]) == 7.0
-    # No round in which both configurations were calm: every round counts.
-    assert quiet_rounds([False, True], [True, False]) == [0, 1]
+    # No round in which both configurations were calm: the calmest rounds count, not
+    # every round (whose slow phases would read as cost).
+    assert quiet_rounds(5.0, [5.0, 8.0, 9.0], [8.0, 6.0, 12.0]) == [0, 1]
+    assert quiet_rounds(5.0, [float("nan")] * 2) == [0, 1]
 
 
 def test_profile_step_that_skips_layers() -> None:

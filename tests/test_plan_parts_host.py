@@ -108,8 +108,8 @@ def test_the_fixed_cost_is_what_a_probe_adds_beyond_the_shares() -> None:
         sent_b = 4.0 + 0.25 + moved * 0.7 + 0.05
         rounds["offload"].append(runs([sent_f] * 2 + [2.5] * 2, [sent_b] * 2 + [4.25] * 2, pace))
     # The probes read the second round slow: it is left out.
-    quiet = dict.fromkeys(rounds, [True, False, True])
-    out = with_part_host(profile, probes, rounds, quiet)  # type: ignore[arg-type]
+    probe_ms = dict.fromkeys(rounds, [5.0, 7.5, 5.0])
+    out = with_part_host(profile, probes, rounds, probe_ms, 5.0)  # type: ignore[arg-type]
     for cost in out.layers:
         assert cost.host is not None
         for name, value in FIXED.items():
@@ -117,7 +117,7 @@ def test_the_fixed_cost_is_what_a_probe_adds_beyond_the_shares() -> None:
         assert replace(cost.host, **dict.fromkeys(FIXED, 0.0)) == HOST
     # A probe that adds nothing beyond the shares leaves no fixed cost (and none below 0).
     rounds["recompute"] = rounds["keep"]
-    out = with_part_host(profile, probes, rounds, quiet)  # type: ignore[arg-type]
+    out = with_part_host(profile, probes, rounds, probe_ms, 5.0)  # type: ignore[arg-type]
     assert out.layers[0].host is not None
     assert out.layers[0].host.part_recompute_forward_ms == 0.0
 

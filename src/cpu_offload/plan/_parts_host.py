@@ -108,7 +108,8 @@ def with_part_host(
     profile: Profile,
     probes: Mapping[str, Mapping[str, Any]],
     rounds: Mapping[str, list[list[StepTimes]]],
-    quiet: Mapping[str, Sequence[bool]],
+    probe_ms: Mapping[str, Sequence[float]],
+    reference: float,
 ) -> Profile:
     """``profile`` with the host's fixed cost per part, from the probes' rounds.
 
@@ -122,10 +123,10 @@ def with_part_host(
         probes: :func:`part_probes` of it.
         rounds: Each probe's probed steps per round, and ``"keep"``'s (no layer
             offloaded or recomputed) of the same rounds.
-        quiet: Whether each configuration's host probe read the host calm, per round,
-            against the reference of the profile's other host times
-            (:func:`._rounds.calm`): each probe's fixed cost comes from the rounds in
-            which it and ``"keep"`` were calm.
+        probe_ms: Each configuration's host probe per round, and ``reference`` the
+            calm reference of the profile's other host times (:func:`._rounds.calm`):
+            each probe's fixed cost comes from the rounds in which it and ``"keep"``
+            were calm (:func:`._rounds.quiet_rounds`).
     """
     layers = [
         c if c.host is None else replace(c, host=_without_part_costs(c.host))
@@ -140,7 +141,7 @@ def with_part_host(
             _only(c, next(iter(chosen[j])), choice) if j in chosen else Choice.KEEP
             for j, c in enumerate(layers)
         ]
-        both = quiet_rounds(quiet[probe], quiet["keep"])
+        both = quiet_rounds(reference, probe_ms[probe], probe_ms["keep"])
         for way in ("forward", "backward"):
             name = f"part_{probe}_{way}_ms"
             field = f"host_{way}_ms"

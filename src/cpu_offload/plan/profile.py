@@ -47,7 +47,6 @@ from ._probe import (
     timed_step,
 )
 from ._rounds import (
-    calm,
     calm_reference,
     extra,
     fast_rounds,
@@ -313,8 +312,8 @@ class _HostAndDevice(_Together):
 
     #: Rounds that take the host's configurations in turn (see :mod:`._rounds`): the
     #: plain step and the device's times come from the rounds of the fast phase (see
-    #: :data:`FAST_PHASE`), the host's times from every round, those its host probe
-    #: read calm (NOTE [The host's pace]).
+    #: :data:`FAST_PHASE`), the host's times from the runs its probe read calm (NOTE
+    #: [The host's pace]).
     ROUNDS = 5
     #: A round is of the fast phase when its plain step is within this share of the
     #: fastest round's. Slow phases make a step longer, never shorter, and can last
@@ -361,10 +360,10 @@ class _HostAndDevice(_Together):
         fast = fast_rounds(plain_rounds, self.FAST_PHASE)
         self.calm_probe_ms = calm_reference(v for ms in probes.values() for v in ms)
         self.recompute = recompute
-        quiet = {name: calm(ms, self.calm_probe_ms) for name, ms in probes.items()}
+        ref = self.calm_probe_ms
         plain_rounds = [plain_rounds[i] for i in fast]
         kept_runs = flat(picked(every_round["keep"], fast))
-        calm_kept = flat(picked(every_round["keep"], quiet_rounds(quiet["keep"])))
+        calm_kept = flat(picked(every_round["keep"], quiet_rounds(ref, probes["keep"])))
         host_f = median_times(calm_kept, "host_forward")
         host_b = median_times(calm_kept, "host_backward")
         device = self._device_times(kept_runs, **keep)
@@ -380,7 +379,7 @@ class _HostAndDevice(_Together):
                     median_times(self._device_times(runs, **every), "backward"), dev_b, strict=True
                 )
             ]
-            both = quiet_rounds(quiet["recompute"], quiet["keep"])
+            both = quiet_rounds(ref, probes["recompute"], probes["keep"])
             again, plain = picked(every_round["recompute"], both), picked(every_round["keep"], both)
             host = replace(
                 host,
@@ -388,7 +387,7 @@ class _HostAndDevice(_Together):
                 recompute_backward_ms=extra(again, plain, "host_backward", n),
             )
         if n > 1:
-            both = quiet_rounds(quiet["offload"], quiet["keep"])
+            both = quiet_rounds(ref, probes["offload"], probes["keep"])
             extras = offload_extras(
                 picked(every_round["offload"], both), picked(every_round["keep"], both), n, m
             )
@@ -413,7 +412,7 @@ class _HostAndDevice(_Together):
             base,
             layers=layers,
             head_ms=statistics.median(r.head_ms for r in device),
-            head_host_ms=statistics.median(r.host_head_ms for r in kept_runs),
+            head_host_ms=statistics.median(r.host_head_ms for r in calm_kept),
         )
         # What the layers leave out of a plain step (embedding, head, loss) is its rest:
         # the plain step of the rounds, not the one block timed before them, which a slow
@@ -432,8 +431,7 @@ class _HostAndDevice(_Together):
             return profile
         configs = {"keep": {"offloaded": (), "recomputed": ()}, **probes}
         every_round, _, host_probes = self._rounds(configs)
-        quiet = {name: calm(ms, self.calm_probe_ms) for name, ms in host_probes.items()}
-        return with_part_host(profile, probes, every_round, quiet)
+        return with_part_host(profile, probes, every_round, host_probes, self.calm_probe_ms)
 
 
 def measure_choices(
