@@ -138,6 +138,21 @@ def test_the_host_bounds_a_step_whose_kernels_are_shorter_than_their_launches() 
     assert estimate(headed, ["keep"] * 3).step_ms == 18.5 + 0.5
 
 
+def test_a_host_bound_layers_copies_start_once_the_host_has_queued_them() -> None:
+    # The engine queues an offloaded layer's copies at the next layer's start, so on a
+    # host-bound forward (device 1 ms, host 3 ms a layer) they cannot start with the
+    # layer's kernels. Layer 0's 5 ms copy runs from 3 to 8 ms; the default schedule
+    # releases its memory before layer 1's forward (at 3 ms), so compute waits 5 ms.
+    host = HostCost(forward_ms=3.0, backward_ms=0.5)
+    layer = LayerCost(1.0, 2.0, saved_bytes=500, offload_bytes=500, input_bytes=10, host=host)
+    profile = Profile((layer,) * 3, Link(1e-4, 1e-4))  # 100 bytes a ms
+    assert estimate(profile, ["keep"] * 3).step_ms == 3 * 3.0 + 3 * 2.0
+    offloaded = estimate(profile, ["offload", "keep", "keep"])
+    assert offloaded.stall_ms == 5.0
+    # Layers 1 and 2 then end at 9 and 12 ms (the host's pace), and the backwards at 18.
+    assert offloaded.step_ms == 12.0 + 3 * 2.0
+
+
 def test_host_cost_per_choice_is_never_negative() -> None:
     host = HostCost(1.0, 2.0, offload_forward_ms=0.5, recompute_backward_ms=1.5)
     assert [host.forward(c) for c in Choice] == [1.0, 1.5, 1.0]

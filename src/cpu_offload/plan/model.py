@@ -389,9 +389,12 @@ def estimate(profile: Profile, choices: Sequence[object]) -> Estimate:
             cost.forward_ms, use.forward_extra + cost.workspace_bytes, use.host_forward_ms
         )
         if use.offloaded:
-            # Each tensor's copy may start once it is saved; the last ends after the layer.
-            tl.copies.run_until(start)
-            offload_job[j] = tl.copies.queue("d2h", start, use.moved + use.copied, end)
+            # The engine queues a layer's copies when the host has enqueued the layer
+            # (at the next layer's start); each then waits for its tensor to be saved,
+            # and the last ends after the layer.
+            queued = max(start, tl.host)
+            tl.copies.run_until(queued)
+            offload_job[j] = tl.copies.queue("d2h", queued, use.moved + use.copied, end)
     # The head and the loss run on what the layers hold at the end of the forward.
     tl.alloc(profile.head_bytes)
     tl.compute(profile.head_ms, 0, profile.head_host_ms)
