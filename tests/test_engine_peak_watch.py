@@ -326,6 +326,88 @@ def test_what_budgets_keep_never_raises_the_peak(seed):
         assert 0 <= watch.budgets.get(w.layer, 0) <= units[w.layer][1]
 
 
+# -- a memory budget: the room read against the caller's ceiling --------------------------
+
+
+def _budget_watch(windows: list[Window], points: int, budget: int) -> tuple[PeakWatch, _Reads]:
+    reads = _Reads()
+    return PeakWatch(reads, windows, points, slack=0, budget=budget), reads
+
+
+def test_a_budget_above_the_peak_gives_its_room_to_the_windows():
+    # The step peaks inside layer 0's window (0, 3]: without a budget nothing is kept.
+    profile = [0, PEAK, PEAK, PEAK, PEAK - MARGIN]
+    plain, reads = _watch([Window(0, 0, 3)], 5)
+    assert _run(plain, reads, profile, {0: MARGIN}, units={0: (0, 50 * MARGIN)}) == set()
+    assert plain.budgets == {0: 0}
+    budget = PEAK + 30 * MARGIN
+    watch, reads = _budget_watch([Window(0, 0, 3)], 5, budget)
+    # The base fits under the budget; the units' budget takes the rest of the room,
+    # less the margin of the budget.
+    assert _run(watch, reads, profile, {0: MARGIN}, units={0: (0, 50 * MARGIN)}) == {0}
+    assert watch.budgets == {0: budget - PEAK - MARGIN - budget // BUDGET_MARGIN_SHARE}
+    # A step that peaks at most at the budget is not a rise: nothing is cut.
+    kept_peak = PEAK + MARGIN + watch.budgets[0]
+    assert kept_peak <= budget
+    profile = [0, kept_peak, kept_peak, kept_peak, PEAK - MARGIN]
+    assert _run(watch, reads, profile, {0: MARGIN}, units={0: (watch.budgets[0], 0)}) == {0}
+    assert watch.capped == set() and watch.refused == set()
+
+
+def test_a_step_above_the_budget_cuts_what_the_budget_kept():
+    budget = PEAK + 30 * MARGIN
+    watch, reads = _budget_watch([Window(0, 0, 3)], 5, budget)
+    profile = [0, PEAK, PEAK, PEAK, PEAK - MARGIN]
+    _run(watch, reads, profile, {0: MARGIN}, units={0: (0, 50 * MARGIN)})
+    chosen = watch.budgets[0]
+    over = budget + 5 * MARGIN  # the peak rose above the budget inside the window
+    profile = [0, over, over, over, PEAK - MARGIN]
+    _run(watch, reads, profile, {0: MARGIN}, units={0: (chosen, 0)}, before=PEAK)
+    assert watch.refused == {0} and watch.kept == set()
+    assert watch.capped == {0} and watch.budgets[0] < chosen
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_a_budget_below_the_peak_changes_nothing(seed):
+    rng = random.Random(seed)
+    points, windows = _random_windows(rng)
+    candidates = {w.layer: rng.randint(0, 400) for w in windows}
+    units = {w.layer: (0, rng.randint(0, 4000)) for w in windows}
+    peaks = [rng.randint(0, PEAK) for _ in range(points)]
+    plain, reads = _watch(windows, points)
+    kept = _run(plain, reads, peaks, candidates, units=units)
+    watch, reads = _budget_watch(windows, points, rng.randint(0, min(peaks[-1], max(peaks))))
+    assert _run(watch, reads, peaks, candidates, units=units) == kept
+    assert watch.budgets == plain.budgets
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_what_a_budget_keeps_stays_under_it(seed):
+    rng = random.Random(seed)
+    points, windows = _random_windows(rng)
+    candidates = {w.layer: rng.randint(0, 4000) for w in windows}
+    units = {w.layer: (0, rng.randint(0, 40000)) for w in windows}
+    peaks = [rng.randint(0, PEAK) for _ in range(points)]
+    budget = rng.randint(0, 2 * PEAK)
+    watch, reads = _budget_watch(windows, points, budget)
+    kept = _run(watch, reads, peaks, candidates, units=units)
+    ceiling = max(*peaks, budget)
+
+    def inside(w: Window, t: int) -> bool:
+        return w.start < t <= w.end
+
+    for t in range(points):
+        bases = sum(candidates[w.layer] for w in windows if w.layer in kept and inside(w, t))
+        budgets = sum(watch.budgets.get(w.layer, 0) for w in windows if inside(w, t))
+        margin = ceiling // BUDGET_MARGIN_SHARE if budgets else 0
+        assert peaks[t] + bases + budgets <= ceiling - margin
+
+
+def test_a_negative_budget_is_refused():
+    with pytest.raises(ValueError, match="budget must be >= 0"):
+        PeakWatch(_Reads(), [Window(0, 0, 1)], 2, budget=-1)
+
+
 # -- V2's default schedule on the CPU stand-in ---------------------------------------------
 
 N, K = 4, 2  # windows: layer 0 from the forward of 2 to the backward of 1, layer 1 3..2
@@ -515,3 +597,48 @@ def test_without_view_bases_budgets_keep_what_lowers_no_peak():
     assert moved[2] == moved[3] == 0
     assert synchronizer.peak_watch.kept == set()
     assert sorted(synchronizer.peak_watch.budgets) == list(range(K))
+
+
+@pytest.mark.parametrize(("budget", "keeps"), [(None, False), (0, False), (1 << 40, True)])
+def test_a_memory_budget_keeps_what_fits_under_it(budget, keeps):
+    # The step peaks inside both windows, rising 1 GiB every step: nothing pays to keep
+    # under the step's own peak, everything fits under a budget of 1 TiB.
+    layers, make, ref = _gpt()
+    transport = _PeakTransport()
+    ctx, sync = v2.get_cpu_offload_context(
+        True, K, N, transport=transport, min_tensor_size_to_offload=256, memory_budget=budget
+    )
+
+    def raise_peak():
+        transport.peak += 1 << 30
+
+    handle = _in_forward_of(layers[N - 1], raise_peak)
+    try:
+        moved = _moved_per_step(layers, make, ref, ctx, sync, 4)
+    finally:
+        handle.remove()
+    watch = ctx.offload_synchronizer.peak_watch
+    if keeps:
+        assert moved[0] == moved[1] > 0 and moved[2] == moved[3] == 0
+        assert watch.kept == set(range(K)) and watch.refused == set()
+    else:
+        assert moved == [moved[0]] * 4
+        assert watch.kept == set()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"memory_budget": -1}, ValueError, "memory_budget must be None or an int >= 0"),
+        ({"memory_budget": 2.5e9}, TypeError, "memory_budget must be an int"),
+        ({"memory_budget": True}, TypeError, "memory_budget must be an int"),
+        (
+            {"memory_budget": 1 << 30, "manual_synchronization": True},
+            ValueError,
+            "memory_budget and manual_synchronization=True exclude each other",
+        ),
+    ],
+)
+def test_a_bad_memory_budget_is_refused(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        v2.get_cpu_offload_context(True, K, N, transport=HostTransport(), **kwargs)

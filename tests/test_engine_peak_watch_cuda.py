@@ -135,3 +135,56 @@ def test_bases_move_when_the_peak_falls_inside_the_windows(deterministic):
     assert watched.moved == [watched.moved[0]] * STEPS
     for got in watched.results:
         assert_bit_equal(ref, got)
+
+
+def test_a_memory_budget_keeps_what_fits_under_it_and_holds(deterministic):
+    """Above the step's own peak, a budget keeps part of the offloaded layers on the
+    device: fewer bytes move, the step stays under the budget and bit-exact."""
+    layers, make = _gpt(torch.bfloat16)
+    ref = step(layers, make)
+
+    def run(memory_budget):
+        transport = CudaTransport()
+        ctx, sync = v2.get_cpu_offload_context(
+            True,
+            K,
+            N,
+            transport=transport,
+            min_tensor_size_to_offload=1024,
+            memory_budget=memory_budget,
+        )
+        handles = _peak_inside_windows(layers)  # nothing pays under the step's own peak
+        torch.cuda.empty_cache()
+        moved, peaks = [], []
+        try:
+            for _ in range(STEPS):
+                before = transport.bytes_offloaded
+                got = step(layers, make, ctx, sync)
+                # The step's absolute peak, as the budget counts it (ref's results stay
+                # allocated; each step's own are dropped, so every step starts alike).
+                peaks.append(torch.cuda.max_memory_allocated())
+                assert_bit_equal(ref, got)
+                del got
+                moved.append(transport.bytes_offloaded - before)
+        finally:
+            for h in handles:
+                h.remove()
+        return moved, peaks, ctx.offload_synchronizer
+
+    moved, peaks, sync = run(None)
+    assert moved == [moved[0]] * STEPS and sync.peak_watch.kept == set()
+    per_layer = moved[0] // K
+    budget = max(peaks) + per_layer + per_layer // 2
+    kept_moved, kept_peaks, sync = run(budget)
+    assert kept_moved[0] == moved[0]  # the first steps move everything
+    # The room of one and a half layers, less the margin and filled by whole tensors:
+    # part of the offloaded bytes stays on the device, the rest still moves.
+    assert 0 < kept_moved[-1] < moved[0]
+    assert all(peak <= budget for peak in kept_peaks), (kept_peaks, budget)
+    assert max(kept_peaks) > max(peaks)  # the room was used
+    states = [sync.layers[i] for i in range(K)]
+    assert (
+        sum(s.budget_kept_bytes for s in states)
+        + sum(s.view_base_bytes for s in states if s.keep_view_bases)
+        == moved[0] - kept_moved[-1]
+    )

@@ -163,6 +163,7 @@ def test_both_contract_arguments_named_together(monkeypatch):
     [
         ({"retain_pinned_cpu_buffers": True}, ["retain_pinned_cpu_buffers"]),
         ({"min_tensor_size_to_offload": 1}, ["min_tensor_size_to_offload"]),
+        ({"memory_budget": 1 << 30}, ["memory_budget"]),
         (
             {"retain_pinned_cpu_buffers": True, "min_tensor_size_to_offload": 0},
             ["retain_pinned_cpu_buffers", "min_tensor_size_to_offload"],
@@ -193,6 +194,7 @@ def test_tuning_arguments_quiet_when_disabled_under_v1(monkeypatch, recwarn):
         ({"retain_pinned_cpu_buffers": 1}, "retain_pinned_cpu_buffers"),
         ({"min_tensor_size_to_offload": 1.5}, "min_tensor_size_to_offload"),
         ({"offload_stream": object()}, "offload_stream"),
+        ({"memory_budget": 1.5e9}, "memory_budget"),
     ],
 )
 def test_tuning_arguments_type_checked_under_v1(kwargs, name, monkeypatch):

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from . import v1, v2
-from ._args import check_bool, check_int, check_stream
+from ._args import check_bool, check_int, check_memory_budget, check_stream
 from ._switch import ENV_VAR, use_v1
 from ._warn import warn_at_caller
 from .engine.active import is_cpu_offload_enabled, is_current_layer_offloaded
@@ -87,6 +87,7 @@ def get_cpu_offload_context(
     min_tensor_size_to_offload: int = DEFAULT_MIN_TENSOR_SIZE,
     transport: Transport | None = None,
     duplex: bool = False,
+    memory_budget: int | None = None,
 ) -> Any:
     """The offload context of the backend ``NVTE_CPU_OFFLOAD_V1`` selects.
 
@@ -94,8 +95,8 @@ def get_cpu_offload_context(
     Engine's positional order), so that callers such as Megatron-Core, which pass
     ``retain_pinned_cpu_buffers=`` whatever the switch says, run under both backends.
     Under V1, the V2 arguments that only tune memory or copies
-    (``retain_pinned_cpu_buffers``, ``min_tensor_size_to_offload``, ``offload_stream``)
-    are accepted with one ``UserWarning`` saying they have no effect; the ones that
+    (``retain_pinned_cpu_buffers``, ``min_tensor_size_to_offload``, ``offload_stream``,
+    ``memory_budget``) are accepted with one ``UserWarning`` saying they have no effect; the ones that
     change the contract (``manual_synchronization=True``, which adds a return value, and
     ``synchronization_dict``, which changes the schedule) are an error. ``duplex`` is
     accepted by both (V1 always reloads on a stream of its own).
@@ -127,6 +128,7 @@ def get_cpu_offload_context(
             min_tensor_size_to_offload=min_tensor_size_to_offload,
             transport=transport,
             duplex=duplex,
+            memory_budget=memory_budget,
         )
     # V1 always reloads on a stream of its own: duplex asks for what it does already.
     check_bool("duplex", duplex)
@@ -137,6 +139,7 @@ def get_cpu_offload_context(
         retain_pinned_cpu_buffers=retain_pinned_cpu_buffers,
         min_tensor_size_to_offload=min_tensor_size_to_offload,
         offload_stream=offload_stream,
+        memory_budget=memory_budget,
     )
     if num_layers is None:
         raise TypeError("num_layers must be an int under the V1 backend, got None")
@@ -159,6 +162,7 @@ def _check_v2_arguments_under_v1(
     retain_pinned_cpu_buffers: bool,
     min_tensor_size_to_offload: int,
     offload_stream: object,
+    memory_budget: object,
 ) -> None:
     """Apply the V1 rule for V2's arguments: tuning ones warn, contract ones raise."""
     contract = [
@@ -179,12 +183,14 @@ def _check_v2_arguments_under_v1(
     check_bool("retain_pinned_cpu_buffers", retain_pinned_cpu_buffers)
     check_int("min_tensor_size_to_offload", min_tensor_size_to_offload)
     check_stream("offload_stream", offload_stream)
+    check_memory_budget(memory_budget)
     tuning = [
         name
         for name, given in (
             ("retain_pinned_cpu_buffers", retain_pinned_cpu_buffers),
             ("min_tensor_size_to_offload", min_tensor_size_to_offload != DEFAULT_MIN_TENSOR_SIZE),
             ("offload_stream", offload_stream is not None),
+            ("memory_budget", memory_budget is not None),
         )
         if given
     ]

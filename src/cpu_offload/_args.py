@@ -6,7 +6,13 @@ import torch
 
 from ._warn import warn_at_caller
 
-__all__ = ["activations_requested", "check_bool", "check_int", "check_stream"]
+__all__ = [
+    "activations_requested",
+    "check_bool",
+    "check_int",
+    "check_memory_budget",
+    "check_stream",
+]
 
 
 def check_bool(name: str, value: object) -> bool:
@@ -21,6 +27,18 @@ def check_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     return value
+
+
+def check_memory_budget(value: object) -> int | None:
+    """``memory_budget`` if it is None or an int >= 0 (bytes), else an error naming it."""
+    if value is None:
+        return None
+    budget = check_int("memory_budget", value)
+    if budget < 0:
+        raise ValueError(
+            f"memory_budget must be None or an int >= 0 (bytes the step may peak at), got {budget}"
+        )
+    return budget
 
 
 def check_stream(name: str, value: object) -> None:

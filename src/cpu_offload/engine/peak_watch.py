@@ -34,6 +34,12 @@ zero after it. (What the caller allocates after the backward, an optimizer's sta
 could only add room: leaving it out errs on the safe side.) A layer keeps its bases when
 they fit in the room of every interval of its window, after the layers chosen before it.
 
+A caller who can afford a higher peak than the step reaches with every byte moved gives a
+budget (``memory_budget`` of ``get_cpu_offload_context``): the room is then read against
+``max(P, budget)`` instead of ``P``, so that offloaded layers keep on the device what fits
+under the budget, and move the rest. A budget below ``P`` changes nothing: keeping less
+than nothing cannot lower the peak.
+
 The running maximum belongs to the caller and is never reset here. When an earlier step
 peaked higher, every ``r[t]`` equals ``P`` and nothing is kept: the choice is made in an
 iteration that sets a new peak (the first ones of a process, or any iteration after the
@@ -104,9 +110,12 @@ class PeakWatch:
         points: The number of schedule points in one iteration.
         slack: Bytes of the allocator's rounding: room must exceed the kept bytes by as
             much, and a peak must rise by more to count as raised by them.
+        budget: Bytes the step may peak at: room is read against the larger of it and
+            the step's own peak (0: the step's own peak).
 
     Raises:
-        ValueError: If ``windows`` is empty or one ends at or after ``points``.
+        ValueError: If ``windows`` is empty or one ends at or after ``points``, or
+            ``budget`` is negative.
 
     Example:
         >>> peaks = iter([10, 20, 40, 60, 100])  # at begin, at points 0 to 2, at the end
@@ -122,7 +131,10 @@ class PeakWatch:
         windows: Sequence[Window],
         points: int,
         slack: int = ALLOCATOR_SLACK,
+        budget: int = 0,
     ) -> None:
+        if budget < 0:
+            raise ValueError(f"budget must be >= 0 (bytes), got {budget}")
         if not windows:
             raise ValueError("windows is empty: a watch needs at least one offloaded layer")
         for w in windows:
@@ -145,6 +157,7 @@ class PeakWatch:
         #: Layers whose kept bases raised the peak once: they move them for good.
         self.refused: set[int] = set()
         self.slack = slack
+        self.budget = budget
         self._chosen_peak = 0  # the peak of the iterations the kept layers were chosen in
         #: Per layer, the bytes of units other than view bases it keeps on the device.
         self.budgets: dict[int, int] = {}
@@ -213,6 +226,8 @@ class PeakWatch:
         peak = self._read()
         if peak is None:
             return self.kept
+        # The peak the choice may fill up to (NOTE [Bytes that pay]).
+        ceiling = max(peak, self.budget)
         budgeted = {layer for layer, nbytes in self.budgets.items() if nbytes > 0}
         if (self.kept or budgeted) and peak > start and peak > self._chosen_peak + self.slack:
             # A new peak, above the one the choice was made under: where did it fall?
@@ -240,13 +255,13 @@ class PeakWatch:
             if window is None:
                 continue
             span = range(window.start + 1, window.end + 1)
-            if all(peak - marks[p] - used[p] >= nbytes + self.slack for p in span):  # type: ignore[operator]
+            if all(ceiling - marks[p] - used[p] >= nbytes + self.slack for p in span):  # type: ignore[operator]
                 for p in span:
                     used[p] += nbytes
                 self.kept.add(layer)
-                self._chosen_peak = max(self._chosen_peak, peak)
+                self._chosen_peak = max(self._chosen_peak, ceiling)
         if unit_bytes is not None:
-            self._grow_budgets(peak, marks, used, unit_bytes)  # type: ignore[arg-type]
+            self._grow_budgets(ceiling, marks, used, unit_bytes)  # type: ignore[arg-type]
         return self.kept
 
     def _margin(self, peak: int) -> int:

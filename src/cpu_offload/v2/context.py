@@ -7,7 +7,13 @@ from typing import Any
 
 import torch
 
-from .._args import activations_requested, check_bool, check_int, check_stream
+from .._args import (
+    activations_requested,
+    check_bool,
+    check_int,
+    check_memory_budget,
+    check_stream,
+)
 from .._compile import outside_compile
 from .._warn import warn_at_caller
 from ..engine.active import ActiveHooks, active_context
@@ -183,6 +189,7 @@ def get_cpu_offload_context(
     min_tensor_size_to_offload: int = DEFAULT_MIN_TENSOR_SIZE,
     transport: Transport | None = None,
     duplex: bool = False,
+    memory_budget: int | None = None,
 ) -> tuple[Any, Any] | tuple[Any, Any, ManualOffloadSynchronizer | None]:
     """Make the context and sync function that offload activations to host memory.
 
@@ -223,6 +230,13 @@ def get_cpu_offload_context(
             another's offload still runs (``synchronization_dict`` pipeline schedules,
             manual synchronization). Ignored by the CPU stand-in, whose copies are
             synchronous. Excludes ``transport`` (give that one a ``reload_stream``).
+        memory_budget: Bytes of allocated device memory the training step may peak at
+            (as ``torch.cuda.max_memory_allocated`` reads it). Offloaded layers then keep
+            on the device the tensors that fit under it, from the iteration after the
+            first, and copy only the rest: fewer bytes cross the link. None: keep only
+            what fits under the peak the step reaches with every eligible tensor moved.
+            A budget below that peak keeps nothing more. Excludes
+            ``manual_synchronization`` (it has no schedule to place the room in).
 
     Returns:
         ``(context, sync_function)``, or ``(context, sync_function, synchronizer)`` with
@@ -232,7 +246,8 @@ def get_cpu_offload_context(
         TypeError: If an argument has the wrong type.
         ValueError: If ``model_layers < 1``, ``num_layers`` is outside
             ``[0, model_layers - 1]``, nothing is to be offloaded, the
-            ``synchronization_dict`` is invalid, or ``duplex`` is given with ``transport``.
+            ``synchronization_dict`` is invalid, ``duplex`` is given with ``transport``,
+            or ``memory_budget`` is negative or given with ``manual_synchronization``.
 
     Example:
         >>> layers = [torch.nn.Linear(1024, 1024) for _ in range(4)]
@@ -260,6 +275,7 @@ def get_cpu_offload_context(
     check_int("model_layers", model_layers)
     check_int("min_tensor_size_to_offload", min_tensor_size_to_offload)
     check_stream("offload_stream", offload_stream)
+    check_memory_budget(memory_budget)
     if transport is not None:
         resolve_transport(transport)
     if double_buffering and enabled:
@@ -291,6 +307,12 @@ def get_cpu_offload_context(
             "synchronization_dict and manual_synchronization=True exclude each other: "
             "pass one or the other"
         )
+    if manual_synchronization and memory_budget is not None:
+        raise ValueError(
+            "memory_budget and manual_synchronization=True exclude each other: the "
+            "budget is placed by the schedule, which manual synchronization leaves to "
+            "the caller; drop memory_budget, or use a synchronization_dict"
+        )
     if synchronization_dict is not None:
         schedule = validate_synchronization_dict(synchronization_dict, model_layers)
     elif not manual_synchronization:
@@ -319,6 +341,7 @@ def get_cpu_offload_context(
             synchronization_dict=schedule,
             transport=transport,
             policy=policy,
+            memory_budget=memory_budget,
         )
     context = OffloadContext(synchronizer)
     sync_function = SyncFunction(context)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from .. import _log
-from .._args import check_bool, check_int
+from .._args import check_bool, check_int, check_memory_budget
 from .._compat import capture_buffer_policy, queue_backward_callback
 from .._warn import warn_at_caller
 from ..engine.layer_state import LayerPhase, OffloadableLayerState
@@ -322,6 +322,13 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
         offload_stream: CUDA stream for the copies (a new one if None).
         synchronization_dict: A validated schedule that replaces the k-of-n rule.
         transport, policy: As for :class:`OffloadSynchronizer`.
+        memory_budget: Bytes the step may peak at (allocated memory): offloaded layers
+            keep on the device what fits under it (NOTE [Bytes that pay]). None: the
+            peak the step reaches with every eligible byte moved.
+
+    Raises:
+        ValueError: If ``memory_budget`` is negative, or ``num_offloaded_layers`` is
+            outside ``[0, num_layers - 1]``.
     """
 
     def __init__(
@@ -334,6 +341,7 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
         synchronization_dict: SyncDict | None = None,
         transport: Transport | None = None,
         policy: Callable[[torch.Tensor], bool] | None = None,
+        memory_budget: int | None = None,
     ) -> None:
         super().__init__(
             num_layers,
@@ -342,6 +350,7 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
             transport=transport,
             policy=policy,
         )
+        self.memory_budget = check_memory_budget(memory_budget)
         if synchronization_dict is None:
             k = num_layers - 1 if num_offloaded_layers is None else num_offloaded_layers
             check_int("num_offloaded_layers", k)
@@ -401,6 +410,7 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
                     self.transport.peak_allocated,
                     self._windows,
                     2 * self.num_layers,
+                    budget=self.memory_budget or 0,
                 )
             return
         layers = [self.layers[i] for i in offloaded]
