@@ -11,7 +11,8 @@ import warnings
 import pytest
 from helpers import assert_bit_equal, step
 
-from cpu_offload import HostTransport, v2
+import cpu_offload
+from cpu_offload import HostTransport, offload_layers, v2
 from cpu_offload.engine.peak_watch import (
     BUDGET_MARGIN_MIN,
     BUDGET_MARGIN_SHARE,
@@ -626,9 +627,70 @@ def test_a_memory_budget_keeps_what_fits_under_it(budget, keeps):
         assert watch.kept == set()
 
 
+def _moved_through(make_context, steps=4):
+    """Bytes moved per step of ``_gpt`` with the peak rising inside both windows,
+    under the offloading ``make_context(layers, transport)`` sets up: a ``(ctx, sync)``
+    pair, or None where it wraps the layers itself."""
+    layers, make, ref = _gpt()
+    transport = _PeakTransport()
+    made = make_context(layers, transport)
+    ctx, sync = made if made is not None else (None, None)
+
+    def raise_peak():
+        transport.peak += 1 << 30
+
+    handle = _in_forward_of(layers[N - 1], raise_peak)
+    moved = []
+    try:
+        for _ in range(steps):
+            before = transport.bytes_offloaded
+            assert_bit_equal(ref, step(layers, make, ctx, sync))
+            moved.append(transport.bytes_offloaded - before)
+    finally:
+        handle.remove()
+    return moved
+
+
+def test_the_top_level_function_passes_the_budget_on(monkeypatch):
+    monkeypatch.delenv("NVTE_CPU_OFFLOAD_V1", raising=False)
+    moved = _moved_through(
+        lambda layers, transport: cpu_offload.get_cpu_offload_context(
+            True, K, N, transport=transport, min_tensor_size_to_offload=256, memory_budget=1 << 40
+        )
+    )
+    assert moved[0] == moved[1] > 0 and moved[2] == moved[3] == 0
+
+
+def test_offload_layers_passes_the_budget_on(monkeypatch):
+    monkeypatch.delenv("NVTE_CPU_OFFLOAD_V1", raising=False)
+    handles = []
+
+    def wrap(layers, transport):
+        handles.append(
+            offload_layers(
+                layers,
+                num_offloaded=K,
+                transport=transport,
+                min_tensor_size_to_offload=256,
+                memory_budget=1 << 40,
+            )
+        )
+
+    try:
+        moved = _moved_through(wrap)
+    finally:
+        handles[0].remove()
+    assert moved[0] == moved[1] > 0 and moved[2] == moved[3] == 0
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
+        (
+            {"memory_budget": 1 << 30, "retain_pinned_cpu_buffers": True},
+            ValueError,
+            "memory_budget and retain_pinned_cpu_buffers=True exclude each other",
+        ),
         ({"memory_budget": -1}, ValueError, "memory_budget must be None or an int >= 0"),
         ({"memory_budget": 2.5e9}, TypeError, "memory_budget must be an int"),
         ({"memory_budget": True}, TypeError, "memory_budget must be an int"),

@@ -59,6 +59,22 @@ def test_seventh_positional_is_retain_pinned(fake_megatron, monkeypatch):  # noq
     assert block.offload_context.offload_synchronizer.retain_pinned_cpu_buffers is True
 
 
+def test_memory_budget_reaches_every_context(fake_megatron, monkeypatch):  # noqa: F811
+    monkeypatch.setenv("NVTE_CPU_OFFLOAD_V1", "0")
+    tb = fake_megatron["megatron.core.transformer.transformer_block"]
+    with use_with_megatron_core(transport=HostTransport(), memory_budget=3 << 30):
+        block = tb.TransformerBlock(_config(True), [], "keyword")
+    assert block.offload_context.offload_synchronizer.memory_budget == 3 << 30
+
+
+@pytest.mark.parametrize(
+    ("budget", "error"), [(-1, ValueError), (1.5e9, TypeError), (True, TypeError)]
+)
+def test_memory_budget_is_checked(fake_megatron, budget, error):  # noqa: F811
+    with pytest.raises(error, match="memory_budget"):
+        use_with_megatron_core(memory_budget=budget)
+
+
 def test_remove_restores_and_is_idempotent(fake_megatron):  # noqa: F811
     tb = fake_megatron["megatron.core.transformer.transformer_block"]
     before = tb.get_cpu_offload_context

@@ -141,16 +141,20 @@ def test_the_host_bounds_a_step_whose_kernels_are_shorter_than_their_launches() 
 def test_a_host_bound_layers_copies_start_once_the_host_has_queued_them() -> None:
     # The engine queues an offloaded layer's copies at the next layer's start, so on a
     # host-bound forward (device 1 ms, host 3 ms a layer) they cannot start with the
-    # layer's kernels. Layer 0's 5 ms copy runs from 3 to 8 ms; the default schedule
-    # releases its memory before layer 1's forward (at 3 ms), so compute waits 5 ms.
+    # layer's kernels: layer 0's 8 ms copy runs from 3 to 11 ms (from 0 to 8 if it
+    # started with them). The default schedule releases its memory before layer 2's
+    # forward, which the host reaches at 6 ms: compute waits 5 ms there (2 ms if the
+    # copy had started at 0).
     host = HostCost(forward_ms=3.0, backward_ms=0.5)
-    layer = LayerCost(1.0, 2.0, saved_bytes=500, offload_bytes=500, input_bytes=10, host=host)
+    layer = LayerCost(1.0, 2.0, saved_bytes=800, offload_bytes=800, input_bytes=10, host=host)
     profile = Profile((layer,) * 3, Link(1e-4, 1e-4))  # 100 bytes a ms
     assert estimate(profile, ["keep"] * 3).step_ms == 3 * 3.0 + 3 * 2.0
     offloaded = estimate(profile, ["offload", "keep", "keep"])
-    assert offloaded.stall_ms == 5.0
-    # Layers 1 and 2 then end at 9 and 12 ms (the host's pace), and the backwards at 18.
-    assert offloaded.step_ms == 12.0 + 3 * 2.0
+    # Layer 2 then runs from 11 to 12 ms; the backwards of layers 2 and 1 end at 14 and
+    # 16 ms while the reload, started at layer 1's backward (14 ms), runs to 22 ms, and
+    # layer 0's backward waits for it: 22 + 2 = 24 ms.
+    assert offloaded.step_ms == 24.0
+    assert offloaded.stall_ms == 5.0 + 6.0
 
 
 def test_host_cost_per_choice_is_never_negative() -> None:

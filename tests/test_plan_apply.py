@@ -149,6 +149,15 @@ def test_apply_rejects_a_plan_for_another_model() -> None:
         apply_plan(_encoder(), ["keep"] * 4)  # type: ignore[arg-type]
 
 
+def test_apply_refuses_a_memory_budget_beside_the_plans_own() -> None:
+    # Bytes kept under it would start after the plan's budget check has passed.
+    plan = Plan((Choice.OFFLOAD, Choice.KEEP, Choice.KEEP, Choice.KEEP), 1000, 0.0, 0)
+    layers = _encoder()
+    with pytest.raises(ValueError, match="apply_plan does not take memory_budget"):
+        apply_plan(layers, plan, memory_budget=2000)
+    apply_plan(layers, plan).remove()  # nothing was left wrapped
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"), [({"steps": 0}, "steps must be an int >= 1"), ({"warmup": -1}, "warmup")]
 )

@@ -12,6 +12,7 @@ from __future__ import annotations
 from types import TracebackType
 from typing import Any
 
+from ._args import check_memory_budget
 from .engine.transport import Transport
 
 __all__ = ["MegatronCoreOffload", "use_with_megatron_core"]
@@ -26,8 +27,9 @@ class _ContextFunction:
     positional argument, where ``cpu_offload``'s signature has ``manual_synchronization``.
     """
 
-    def __init__(self, transport: Transport | None) -> None:
+    def __init__(self, transport: Transport | None, memory_budget: int | None = None) -> None:
         self.transport = transport
+        self.memory_budget = memory_budget
 
     def __call__(
         self,
@@ -50,6 +52,7 @@ class _ContextFunction:
             double_buffering,
             retain_pinned_cpu_buffers=retain_pinned_cpu_buffers,
             transport=self.transport,
+            memory_budget=self.memory_budget,
         )
 
 
@@ -60,11 +63,17 @@ class MegatronCoreOffload:
     Models built while it is in place keep their offload context after it is removed.
     """
 
-    def __init__(self, block: Any, layers: Any, transport: Transport | None) -> None:
+    def __init__(
+        self,
+        block: Any,
+        layers: Any,
+        transport: Transport | None,
+        memory_budget: int | None = None,
+    ) -> None:
         self._block = block
         self._layers = layers
         self._saved = (block.__dict__.get("get_cpu_offload_context", _MISSING), layers.HAVE_TE)
-        self.function = _ContextFunction(transport)
+        self.function = _ContextFunction(transport, memory_budget)
         block.get_cpu_offload_context = self.function
         layers.HAVE_TE = True
         self.active = True
@@ -93,7 +102,9 @@ class MegatronCoreOffload:
         self.remove()
 
 
-def use_with_megatron_core(*, transport: Transport | None = None) -> MegatronCoreOffload:
+def use_with_megatron_core(
+    *, transport: Transport | None = None, memory_budget: int | None = None
+) -> MegatronCoreOffload:
     """Let Megatron-Core offload activations through ``cpu_offload``, without TE.
 
     Call it before building the model; then switch offloading on with Megatron-Core's
@@ -104,6 +115,9 @@ def use_with_megatron_core(*, transport: Transport | None = None) -> MegatronCor
     Args:
         transport: Passed to :func:`cpu_offload.get_cpu_offload_context` (by default
             the CUDA transport, or the CPU stand-in without CUDA).
+        memory_budget: Passed to :func:`cpu_offload.get_cpu_offload_context`: bytes of
+            allocated device memory the step may peak at, under which offloaded layers
+            keep what fits (None: the step's own peak with everything moved).
 
     Returns:
         A :class:`MegatronCoreOffload`; ``remove()`` restores Megatron-Core's two
@@ -111,7 +125,9 @@ def use_with_megatron_core(*, transport: Transport | None = None) -> MegatronCor
 
     Raises:
         ImportError: If ``megatron.core`` is not installed (the message says so).
-        TypeError: If ``transport`` is not a ``cpu_offload`` transport.
+        TypeError: If ``transport`` is not a ``cpu_offload`` transport, or
+            ``memory_budget`` not an int or None.
+        ValueError: If ``memory_budget`` is negative.
 
     Example:
         >>> from cpu_offload.megatron import use_with_megatron_core
@@ -122,6 +138,7 @@ def use_with_megatron_core(*, transport: Transport | None = None) -> MegatronCor
         raise TypeError(
             f"transport must be a cpu_offload Transport, got {type(transport).__name__}"
         )
+    check_memory_budget(memory_budget)
     try:
         import megatron.core.tensor_parallel.layers as layers
         import megatron.core.transformer.transformer_block as block
@@ -129,4 +146,4 @@ def use_with_megatron_core(*, transport: Transport | None = None) -> MegatronCor
         raise ImportError(
             f"use_with_megatron_core needs megatron-core (pip install megatron-core): {err}"
         ) from err
-    return MegatronCoreOffload(block, layers, transport)
+    return MegatronCoreOffload(block, layers, transport, memory_budget)

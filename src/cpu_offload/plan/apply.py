@@ -104,7 +104,8 @@ def apply_plan(
 
     Raises:
         TypeError: If ``plan`` is not a :class:`Plan`, or ``check_budget`` not a bool.
-        ValueError: If the plan was made for another number of layers; and whatever
+        ValueError: If the plan was made for another number of layers, or
+            ``memory_budget`` is among ``context_kwargs``; and whatever
             :func:`cpu_offload.offload_layers` raises.
 
     Example:
@@ -117,6 +118,14 @@ def apply_plan(
         >>> handle.remove()
     """
     check_bool("check_budget", check_budget)
+    if "memory_budget" in context_kwargs:
+        # Kept bytes start two steps in, after the budget check has passed the plan:
+        # the step could then peak above the plan's budget unnoticed.
+        raise ValueError(
+            "apply_plan does not take memory_budget: the plan was searched for its own "
+            f"budget ({plan.budget_bytes} bytes) and its check would not see bytes kept "
+            "later; search again with a higher budget instead"
+        )
     layers = find_layers(model_or_layers)
     check_plan_layers(plan, len(layers))
     # offloaded=() (not None) so that a plan keeping every layer is a valid no-op.

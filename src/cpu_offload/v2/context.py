@@ -232,11 +232,13 @@ def get_cpu_offload_context(
             synchronous. Excludes ``transport`` (give that one a ``reload_stream``).
         memory_budget: Bytes of allocated device memory the training step may peak at
             (as ``torch.cuda.max_memory_allocated`` reads it). Offloaded layers then keep
-            on the device the tensors that fit under it, from the iteration after the
-            first, and copy only the rest: fewer bytes cross the link. None: keep only
-            what fits under the peak the step reaches with every eligible tensor moved.
-            A budget below that peak keeps nothing more. Excludes
-            ``manual_synchronization`` (it has no schedule to place the room in).
+            on the device the tensors that fit under it, from the third iteration on
+            (the second is read to choose), and copy only the rest: fewer bytes cross
+            the link. None: keep only what fits under the peak the step reaches with
+            every eligible tensor moved. A budget below that peak keeps nothing more.
+            Excludes ``manual_synchronization`` (it has no schedule to place the room
+            in) and ``retain_pinned_cpu_buffers`` (its fixed buffers need the same
+            tensors moved every iteration).
 
     Returns:
         ``(context, sync_function)``, or ``(context, sync_function, synchronizer)`` with
@@ -247,7 +249,8 @@ def get_cpu_offload_context(
         ValueError: If ``model_layers < 1``, ``num_layers`` is outside
             ``[0, model_layers - 1]``, nothing is to be offloaded, the
             ``synchronization_dict`` is invalid, ``duplex`` is given with ``transport``,
-            or ``memory_budget`` is negative or given with ``manual_synchronization``.
+            or ``memory_budget`` is negative or given with ``manual_synchronization``
+            or ``retain_pinned_cpu_buffers``.
 
     Example:
         >>> layers = [torch.nn.Linear(1024, 1024) for _ in range(4)]

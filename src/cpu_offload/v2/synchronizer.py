@@ -327,8 +327,10 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
             peak the step reaches with every eligible byte moved.
 
     Raises:
-        ValueError: If ``memory_budget`` is negative, or ``num_offloaded_layers`` is
-            outside ``[0, num_layers - 1]``.
+        TypeError: If ``memory_budget`` is not an int or None.
+        ValueError: If ``memory_budget`` is negative or given with
+            ``retain_pinned_cpu_buffers=True``, or ``num_offloaded_layers`` is outside
+            ``[0, num_layers - 1]``.
     """
 
     def __init__(
@@ -351,6 +353,12 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
             policy=policy,
         )
         self.memory_budget = check_memory_budget(memory_budget)
+        if memory_budget is not None and retain_pinned_cpu_buffers:
+            raise ValueError(
+                "memory_budget and retain_pinned_cpu_buffers=True exclude each other: "
+                "retained host buffers need the same tensors moved every iteration, so "
+                "nothing can be kept under a budget; drop one of them"
+            )
         if synchronization_dict is None:
             k = num_layers - 1 if num_offloaded_layers is None else num_offloaded_layers
             check_int("num_offloaded_layers", k)
