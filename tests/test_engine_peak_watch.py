@@ -34,9 +34,9 @@ class _Reads:
         return self.value
 
 
-def _watch(windows: list[Window], points: int) -> tuple[PeakWatch, _Reads]:
+def _watch(windows: list[Window], points: int, budget: int = 0) -> tuple[PeakWatch, _Reads]:
     reads = _Reads()
-    return PeakWatch(reads, windows, points, slack=0), reads
+    return PeakWatch(reads, windows, points, slack=0, budget=budget), reads
 
 
 def _run(
@@ -301,38 +301,54 @@ def test_without_unit_bytes_only_view_bases_are_kept():
     assert watch.budgets == {}
 
 
+def _random_profile(
+    rng: random.Random, scale: int = 1
+) -> tuple[int, list[Window], dict[int, int], dict[int, tuple[int, int]], list[int]]:
+    """Random windows, view-base bytes and other units' bytes per layer (up to
+    ``400 * scale`` and ``4000 * scale``), and interval peaks up to ``PEAK``."""
+    points, windows = _random_windows(rng)
+    candidates = {w.layer: rng.randint(0, 400 * scale) for w in windows}
+    units = {w.layer: (0, rng.randint(0, 4000 * scale)) for w in windows}
+    peaks = [rng.randint(0, PEAK) for _ in range(points)]
+    return points, windows, candidates, units, peaks
+
+
+def _assert_kept_within(
+    watch: PeakWatch,
+    windows: list[Window],
+    peaks: list[int],
+    kept: set[int],
+    candidates: dict[int, int],
+    ceiling: int,
+) -> None:
+    """Every interval's peak plus the bases and budgets kept over it stays within
+    ``ceiling``, less the margin wherever a budget adds bytes."""
+    margin = ceiling // BUDGET_MARGIN_SHARE
+
+    def inside(w: Window, t: int) -> bool:
+        return w.start < t <= w.end
+
+    for t, peak in enumerate(peaks):
+        bases = sum(candidates[w.layer] for w in windows if w.layer in kept and inside(w, t))
+        budgets = sum(watch.budgets.get(w.layer, 0) for w in windows if inside(w, t))
+        assert peak + bases + budgets <= ceiling - (margin if budgets else 0)
+
+
 @pytest.mark.parametrize("seed", range(200))
 def test_what_budgets_keep_never_raises_the_peak(seed):
     """On random profiles, bases and budgets together keep every interval within the
     peak, less the margin wherever a budget adds bytes."""
     rng = random.Random(seed)
-    points, windows = _random_windows(rng)
-    candidates = {w.layer: rng.randint(0, 400) for w in windows}
-    units = {w.layer: (0, rng.randint(0, 4000)) for w in windows}
-    peaks = [rng.randint(0, PEAK) for _ in range(points)]
+    points, windows, candidates, units, peaks = _random_profile(rng)
     after = rng.choice([0, rng.randint(0, 2 * PEAK)])
     watch, reads = _watch(windows, points)
     kept = _run(watch, reads, peaks, candidates, after=after, units=units)
-    step_peak = max(*peaks, after)
-    margin = step_peak // BUDGET_MARGIN_SHARE
-
-    def inside(w: Window, t: int) -> bool:
-        return w.start < t <= w.end
-
-    for t in range(points):
-        bases = sum(candidates[w.layer] for w in windows if w.layer in kept and inside(w, t))
-        budgets = sum(watch.budgets.get(w.layer, 0) for w in windows if inside(w, t))
-        assert peaks[t] + bases + budgets <= step_peak - (margin if budgets else 0)
+    _assert_kept_within(watch, windows, peaks, kept, candidates, max(*peaks, after))
     for w in windows:
         assert 0 <= watch.budgets.get(w.layer, 0) <= units[w.layer][1]
 
 
 # -- a memory budget: the room read against the caller's ceiling --------------------------
-
-
-def _budget_watch(windows: list[Window], points: int, budget: int) -> tuple[PeakWatch, _Reads]:
-    reads = _Reads()
-    return PeakWatch(reads, windows, points, slack=0, budget=budget), reads
 
 
 def test_a_budget_above_the_peak_gives_its_room_to_the_windows():
@@ -342,7 +358,7 @@ def test_a_budget_above_the_peak_gives_its_room_to_the_windows():
     assert _run(plain, reads, profile, {0: MARGIN}, units={0: (0, 50 * MARGIN)}) == set()
     assert plain.budgets == {0: 0}
     budget = PEAK + 30 * MARGIN
-    watch, reads = _budget_watch([Window(0, 0, 3)], 5, budget)
+    watch, reads = _watch([Window(0, 0, 3)], 5, budget)
     # The base fits under the budget; the units' budget takes the rest of the room,
     # less the margin of the budget.
     assert _run(watch, reads, profile, {0: MARGIN}, units={0: (0, 50 * MARGIN)}) == {0}
@@ -357,7 +373,7 @@ def test_a_budget_above_the_peak_gives_its_room_to_the_windows():
 
 def test_a_step_above_the_budget_cuts_what_the_budget_kept():
     budget = PEAK + 30 * MARGIN
-    watch, reads = _budget_watch([Window(0, 0, 3)], 5, budget)
+    watch, reads = _watch([Window(0, 0, 3)], 5, budget)
     profile = [0, PEAK, PEAK, PEAK, PEAK - MARGIN]
     _run(watch, reads, profile, {0: MARGIN}, units={0: (0, 50 * MARGIN)})
     chosen = watch.budgets[0]
@@ -371,13 +387,10 @@ def test_a_step_above_the_budget_cuts_what_the_budget_kept():
 @pytest.mark.parametrize("seed", range(100))
 def test_a_budget_below_the_peak_changes_nothing(seed):
     rng = random.Random(seed)
-    points, windows = _random_windows(rng)
-    candidates = {w.layer: rng.randint(0, 400) for w in windows}
-    units = {w.layer: (0, rng.randint(0, 4000)) for w in windows}
-    peaks = [rng.randint(0, PEAK) for _ in range(points)]
+    points, windows, candidates, units, peaks = _random_profile(rng)
     plain, reads = _watch(windows, points)
     kept = _run(plain, reads, peaks, candidates, units=units)
-    watch, reads = _budget_watch(windows, points, rng.randint(0, min(peaks[-1], max(peaks))))
+    watch, reads = _watch(windows, points, rng.randint(0, min(peaks[-1], max(peaks))))
     assert _run(watch, reads, peaks, candidates, units=units) == kept
     assert watch.budgets == plain.budgets
 
@@ -385,23 +398,11 @@ def test_a_budget_below_the_peak_changes_nothing(seed):
 @pytest.mark.parametrize("seed", range(100))
 def test_what_a_budget_keeps_stays_under_it(seed):
     rng = random.Random(seed)
-    points, windows = _random_windows(rng)
-    candidates = {w.layer: rng.randint(0, 4000) for w in windows}
-    units = {w.layer: (0, rng.randint(0, 40000)) for w in windows}
-    peaks = [rng.randint(0, PEAK) for _ in range(points)]
+    points, windows, candidates, units, peaks = _random_profile(rng, scale=10)
     budget = rng.randint(0, 2 * PEAK)
-    watch, reads = _budget_watch(windows, points, budget)
+    watch, reads = _watch(windows, points, budget)
     kept = _run(watch, reads, peaks, candidates, units=units)
-    ceiling = max(*peaks, budget)
-
-    def inside(w: Window, t: int) -> bool:
-        return w.start < t <= w.end
-
-    for t in range(points):
-        bases = sum(candidates[w.layer] for w in windows if w.layer in kept and inside(w, t))
-        budgets = sum(watch.budgets.get(w.layer, 0) for w in windows if inside(w, t))
-        margin = ceiling // BUDGET_MARGIN_SHARE if budgets else 0
-        assert peaks[t] + bases + budgets <= ceiling - margin
+    _assert_kept_within(watch, windows, peaks, kept, candidates, max(*peaks, budget))
 
 
 def test_a_negative_budget_is_refused():
