@@ -550,3 +550,21 @@ def test_saved_tensors_read_twice_in_backward():
     assert ctx.offload_synchronizer.transport.bytes_offloaded > 0
     y.sum().backward()
     assert torch.equal(x.grad, torch.full((32, 32), 2.0))
+
+
+def test_pack_hook_detaches_kept_tensors_with_a_grad_fn_only():
+    # NOTE [Kept tensors are detached]: a kept tensor with a grad_fn goes back detached
+    # (the same storage, another object); a leaf or a tensor without grad goes back as is.
+    ctx, _ = _ctx(k=1, n=2, min_tensor_size_to_offload=1 << 40)  # nothing is offloaded
+    sync = ctx.offload_synchronizer
+    sync.fwd_step()
+    w = torch.ones(4, requires_grad=True)
+    made = w * 2
+    plain = torch.ones(4)
+    out = sync.pack_hook(made)
+    assert out is not made and out.grad_fn is None
+    assert out.data_ptr() == made.data_ptr() and out._version == made._version
+    assert sync.pack_hook(w) is w
+    assert sync.pack_hook(plain) is plain
+    for t in (made, w, plain):
+        assert sync.pop_tensor(sync.pack_hook(t)).data_ptr() == t.data_ptr()

@@ -229,3 +229,23 @@ def test_reloaded_views_read_on_two_streams_bit_exact(deterministic):
         assert manual.transport.bytes_offloaded > 4096 * 3 * 4096 * 4
         for g, r in zip(got, ref, strict=True):
             assert torch.equal(g, r)
+
+
+def test_save_events_are_recycled_once_and_results_stay_exact(deterministic):
+    # NOTE [Recycled save events]: after the first steps, saves reuse the events of
+    # earlier ones instead of making new ones, and the results stay bit-identical.
+    layers = _linear_stack(6, 512)
+    ref = step(layers, _linear_input)
+    ctx, sync = v2.get_cpu_offload_context(enabled=True, num_layers=3, model_layers=6)
+    transport = ctx.offload_synchronizer.transport
+    for _ in range(3):
+        got = step(layers, _linear_input, ctx, sync)
+        assert_bit_equal(ref, got)
+    free = transport._free_events
+    assert free, "no save event was given back"
+    assert len({id(e) for e in free}) == len(free)  # each event given back once
+    before = list(free)
+    event = transport.record()  # a recycled event, recorded again
+    assert any(event is e for e in before)
+    transport.recycle([event, event, None])
+    assert sum(e is event for e in transport._free_events) == 1

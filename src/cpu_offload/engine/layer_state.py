@@ -195,6 +195,14 @@ class OffloadableLayerState:
         events = self.transport.offload_all(copies)
         for unit, event in zip(moved, events, strict=True):
             unit.copied = event
+        # Every wait on the save events is queued: NOTE [Recycled save events].
+        for unit in plan.units:
+            unit.ready = None
+        ready = []
+        for entry in self._entries:
+            ready.append(entry.ready)
+            entry.ready = None
+        self.transport.recycle(ready)
         if _log.debug_enabled():
             self._log_offload(plan)
 

@@ -188,6 +188,8 @@ def is_dense(tensor: torch.Tensor) -> bool:
     attention kernels allocate), so that a buffer with the same strides holds exactly
     ``numel`` elements and a straight memory copy moves it.
     """
+    if tensor.is_contiguous():  # most saved tensors: skips sorting the strides
+        return True
     expected = 1
     dims = sorted(
         ((st, sz) for st, sz in zip(tensor.stride(), tensor.shape, strict=True) if sz != 1),

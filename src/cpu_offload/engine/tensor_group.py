@@ -229,6 +229,12 @@ class TensorGroupProcessor:
         plan = GroupPlan()
         leaf_refs: dict[int, _Ref] = {}
         for root, members in roots.values():
+            if len(members) == 1 and leaves[members[0]].tensor is root and is_dense(root):
+                # The common case (a dense tensor saved as itself): its own unit.
+                leaf_refs[members[0]] = _UnitRef(
+                    self._add_unit(plan, root, leaves[members[0]]), None
+                )
+                continue
             leaf_refs.update(self._plan_root(root, members, leaves, plan, keep_view_bases))
 
         plan.refs = [self._resolve(tpl, leaf_refs, alias) for tpl in templates]
@@ -274,12 +280,10 @@ class TensorGroupProcessor:
         refs: dict[int, _Ref] = {}
         tensors = [leaves[i].tensor for i in members]
         if len(members) == 1 and tensors[0] is root:
-            # The common case (a tensor saved as itself, not a view): no grouping to decide.
-            t = tensors[0]
-            if is_dense(t):
-                return {members[0]: _UnitRef(self._add_unit(plan, t, leaves[members[0]]), None)}
-            self._warn_kept(t)
-            return {members[0]: _KeptRef(t)}
+            # A tensor saved as itself, not a view, and not dense (process() takes the
+            # dense ones): no grouping to decide.
+            self._warn_kept(root)
+            return {members[0]: _KeptRef(root)}
         root_key = _storage_key(root)
         same_dtype = all(t.dtype == root.dtype for t in tensors)
         covered = sum(t.numel() for t in tensors)

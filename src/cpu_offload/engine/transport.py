@@ -18,7 +18,7 @@ memory.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +45,22 @@ class TimedSpan:
     nbytes: int
     start: torch.cuda.Event
     end: torch.cuda.Event
+
+
+# NOTE [Recycled save events]
+# Each tensor an offloaded layer saves gets an event at its save (Transport.record), so
+# that its copy waits only for the kernels that made it. Making a CUDA event costs the
+# host a Python object and a cudaEventCreate (and a cudaEventDestroy later), for each
+# of a layer's saves, on the host's path through the forward. A layer's start_offload
+# queues every wait on its save events (the copy stream's wait_event) before it
+# returns; a wait takes the event's state when it is queued, so from then on nothing
+# reads those events, and the layer gives them back (Transport.recycle) for the next
+# records. An event is given back once (saves marked ready together share one), never
+# while a CUDA graph is captured (its events belong to the graph), and the free list is
+# bounded.
+
+#: Events the CUDA transport keeps for reuse (NOTE [Recycled save events]).
+_MAX_FREE_EVENTS = 1024
 
 
 class Transport(ABC):
@@ -110,6 +126,14 @@ class Transport(ABC):
     def capturing(self) -> bool:
         """Whether a CUDA graph is being captured on the current stream."""
         return False
+
+    def recycle(self, events: Iterable[object | None]) -> None:
+        """Take back events from :meth:`record` that nothing will wait for any more.
+
+        Only events whose every wait is queued already (NOTE [Recycled save events]);
+        a later :meth:`record` may record them again. The stand-in has nothing to keep.
+        """
+        del events  # events that are None or opaque tokens: nothing to reuse
 
     def peak_allocated(self) -> int | None:
         """The device allocator's running peak of allocated bytes, or None if unknown.
@@ -218,6 +242,7 @@ class CudaTransport(Transport):
         super().__init__(pool if pool is not None else HostBufferPool(pin_memory=True))
         self.stream = stream if stream is not None else torch.cuda.Stream()
         self.reload_stream = reload_stream if reload_stream is not None else self.stream
+        self._free_events: list[torch.cuda.Event] = []  # NOTE [Recycled save events]
 
     @property
     def duplex(self) -> bool:
@@ -243,9 +268,23 @@ class CudaTransport(Transport):
     # NOTE [Host cost of CUDA stream calls].
 
     def record(self) -> torch.cuda.Event:
-        event = torch.cuda.Event()
+        free = self._free_events
+        event = free.pop() if free else torch.cuda.Event()
         event.record(current_cuda_stream())
         return event
+
+    def recycle(self, events: Iterable[object | None]) -> None:
+        if self.capturing():
+            return  # recorded into the graph being captured: they belong to it
+        free = self._free_events
+        seen = {id(e) for e in free}
+        for event in events:
+            # Saves marked ready together share one event: it must go back once.
+            if event is None or id(event) in seen or len(free) >= _MAX_FREE_EVENTS:
+                continue
+            assert isinstance(event, torch.cuda.Event)
+            seen.add(id(event))
+            free.append(event)
 
     def wait(self, event: object | None, stream: Hashable | None = None) -> None:
         if event is None:
