@@ -234,7 +234,7 @@ def test_reloaded_views_read_on_two_streams_bit_exact(deterministic):
 def test_save_events_are_recycled_once_and_results_stay_exact(deterministic):
     # NOTE [Recycled save events]: after the first steps, saves reuse the events of
     # earlier ones instead of making new ones, and the results stay bit-identical.
-    layers = _linear_stack(6, 512)
+    layers = _linear_stack(6)
     ref = step(layers, _linear_input)
     ctx, sync = v2.get_cpu_offload_context(enabled=True, num_layers=3, model_layers=6)
     transport = ctx.offload_synchronizer.transport
