@@ -552,9 +552,9 @@ def test_saved_tensors_read_twice_in_backward():
     assert torch.equal(x.grad, torch.full((32, 32), 2.0))
 
 
-def test_pack_hook_detaches_kept_tensors_with_a_grad_fn_only():
-    # NOTE [Kept tensors are detached]: a kept tensor with a grad_fn goes back detached
-    # (the same storage, another object); a leaf or a tensor without grad goes back as is.
+def test_pack_hook_keeps_only_weights_undetached():
+    # NOTE [Kept tensors are detached]: a kept tensor goes back detached (the same
+    # storage, another object), but for a leaf that requires grad (a weight).
     ctx, _ = _ctx(k=1, n=2, min_tensor_size_to_offload=1 << 40)  # nothing is offloaded
     sync = ctx.offload_synchronizer
     sync.fwd_step()
@@ -565,6 +565,28 @@ def test_pack_hook_detaches_kept_tensors_with_a_grad_fn_only():
     assert out is not made and out.grad_fn is None
     assert out.data_ptr() == made.data_ptr() and out._version == made._version
     assert sync.pack_hook(w) is w
-    assert sync.pack_hook(plain) is plain
+    out = sync.pack_hook(plain)  # needs no grad now, but an in-place op may change that
+    assert out is not plain and out.data_ptr() == plain.data_ptr()
     for t in (made, w, plain):
         assert sync.pop_tensor(sync.pack_hook(t)).data_ptr() == t.data_ptr()
+
+
+def test_a_tensor_given_a_grad_fn_after_its_save_is_not_kept_alive():
+    # NOTE [Kept tensors are detached]: ``h`` needs no grad when it is saved; the in-place
+    # op then gives it a grad_fn whose graph reaches the node that saved it. A forward
+    # without backward must still leave nothing alive.
+    import gc
+    import weakref
+
+    ctx, sync = _ctx(k=1, n=2, min_tensor_size_to_offload=1 << 40)  # nothing is offloaded
+    w = torch.ones(4, requires_grad=True)
+    with ctx:
+        h = torch.ones(4)
+        z = h * w  # saves h
+        h.add_(z)
+    out = sync(h)
+    alive = weakref.ref(h)
+    del h, z, out
+    ctx.offload_synchronizer.release_all()
+    gc.collect()
+    assert alive() is None

@@ -44,10 +44,13 @@ __all__ = [
 # torch.no_grad, a skipped batch, an exception between layers) then keeps every such
 # tensor alive for good. Returning ``tensor.detach()`` (a new tensor object over the
 # same storage and version counter) breaks the cycle at no copy; autograd re-attaches
-# the grad_fn when it unpacks. Every tensor with a ``grad_fn`` that a pack hook of ours
-# keeps goes back detached; one without (a weight, a tensor that needs no grad) holds
-# no node, closes no cycle, and V2 gives it back as it is (a detach costs half a
-# microsecond, for every such tensor of every offloaded layer).
+# the grad_fn when it unpacks. Every tensor a pack hook of ours keeps goes back detached,
+# except, in V2, a leaf that requires grad (a weight): it holds no node and can never
+# get one (autograd refuses an in-place change of such a leaf outside torch.no_grad),
+# so it closes no cycle, and a detach costs half a microsecond for each of an offloaded
+# layer's weights. A tensor that needs no grad is detached all the same: an in-place op
+# may give it a grad_fn after its save (``h.add_(h * w)``) whose graph reaches the node
+# that saved it.
 
 
 class TensorId(int):
@@ -232,16 +235,13 @@ class OffloadSynchronizer:
     def pack_hook(self, tensor: torch.Tensor) -> TensorId | torch.Tensor:
         """The saved-tensor pack hook the offload context installs.
 
-        :meth:`push_tensor`, with a kept tensor detached where it has a ``grad_fn``
-        (see NOTE [Kept tensors are detached]). Inlined: it runs for every tensor an
-        offloaded layer saves, on the host's path through the forward.
+        :meth:`push_tensor`, with a kept tensor detached unless it is a leaf that
+        requires grad (see NOTE [Kept tensors are detached]).
         """
-        layer = self.current_layer
-        if layer is not None and self._pushes_to(layer):
-            out = self.layers[layer].push_tensor(tensor)
-            if not isinstance(out, torch.Tensor):
-                return TensorId(out, layer, self.iteration)
-        return tensor.detach() if tensor.grad_fn is not None else tensor
+        out = self.push_tensor(tensor)
+        if not isinstance(out, torch.Tensor):
+            return out
+        return out if out.requires_grad and out.is_leaf else out.detach()
 
     def pop_tensor(self, packed: TensorId | torch.Tensor) -> torch.Tensor:
         """Saved-tensor unpack hook: the tensor pushed as ``packed``.
