@@ -1,0 +1,84 @@
+"""Does the host's own work slow down while copies stream between the GPU and host memory?
+
+Where the host bounds a forward, offloading stretches layers the engine does not touch
+(``host_timeline.py``). This measures, alternating, the host time of a fixed piece of
+work while the GPU is idle and while large copies stream to pinned host memory, to the
+device, or both ways: ``launch`` is 500 tiny CUDA adds (kernel launches, no waiting),
+``cpu`` is 500 tiny CPU adds (the interpreter and the dispatcher only).
+
+    python benchmarks/host_under_copies.py
+    python benchmarks/host_under_copies.py --gib 1 --rounds 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def _launches(small: torch.Tensor, ops: int) -> float:
+    start = time.perf_counter()
+    x = small
+    for _ in range(ops):
+        x = x + 1.0
+    elapsed = time.perf_counter() - start
+    torch.cuda.current_stream().synchronize()  # the adds only, not the copies
+    return elapsed * 1e3
+
+
+def _cpu(ops: int) -> float:
+    start = time.perf_counter()
+    v = torch.zeros(2)
+    for _ in range(ops):
+        v = v + 1.0
+    return (time.perf_counter() - start) * 1e3
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gib", type=float, default=2.0, help="size of each copy")
+    p.add_argument("--copies", type=int, default=10, help="copies queued per condition")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--samples", type=int, default=12, help="samples per condition and round")
+    p.add_argument("--ops", type=int, default=500)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("this benchmark needs a CUDA GPU")
+    n = int(args.gib * 2**30)
+    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    small = torch.zeros(16, device="cuda")
+    d2h, h2d = torch.cuda.Stream(), torch.cuda.Stream()
+    res: dict[str, list[float]] = {}
+    short = 0
+    for _ in range(args.rounds):
+        for cond in ("idle", "to host", "to device", "both ways"):
+            torch.cuda.synchronize()
+            for _ in range(args.copies):
+                if cond in ("to host", "both ways"):
+                    with torch.cuda.stream(d2h):
+                        host.copy_(dev, non_blocking=True)
+                if cond in ("to device", "both ways"):
+                    with torch.cuda.stream(h2d):
+                        dev.copy_(host, non_blocking=True)
+            for _ in range(args.samples):
+                res.setdefault(f"{cond}, launch", []).append(_launches(small, args.ops))
+                res.setdefault(f"{cond}, cpu", []).append(_cpu(args.ops))
+            start = time.perf_counter()
+            torch.cuda.synchronize()
+            if cond != "idle" and time.perf_counter() - start < 0.005:
+                short += 1  # the copies ended before the samples did
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}; {args.copies} copies "
+          f"of {args.gib} GiB per condition; ms per {args.ops} ops")  # fmt: skip
+    for key, values in res.items():
+        print(f"  {key:20s} median {statistics.median(values):7.3f}  min {min(values):7.3f}")
+    if short:
+        print(f"warning: in {short} conditions the copies ended before the samples: raise --copies")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
