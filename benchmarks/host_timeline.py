@@ -28,14 +28,12 @@ from collections.abc import Callable
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import torch  # noqa: E402
+from host_overhead import CUDA_SPEC as SPEC  # noqa: E402  (compare's default model)
 
 from cpu_offload import v2  # noqa: E402
 from cpu_offload.engine import layer_state, tensor_group, transport  # noqa: E402
-from cpu_offload.models import ModelSpec, build_layers  # noqa: E402
+from cpu_offload.models import build_layers  # noqa: E402
 from cpu_offload.v2 import synchronizer  # noqa: E402
-
-SPEC = ModelSpec(kind="gpt", hidden=2048, heads=16, seq=2048, batch=2, layers=8,
-                 dtype=torch.bfloat16)  # fmt: skip
 
 #: The engine's entry points timed inside real steps: (class, method).
 ENTRY_POINTS = [

@@ -229,11 +229,10 @@ class TensorGroupProcessor:
         plan = GroupPlan()
         leaf_refs: dict[int, _Ref] = {}
         for root, members in roots.values():
-            if len(members) == 1 and leaves[members[0]].tensor is root and is_dense(root):
-                # The common case (a dense tensor saved as itself): its own unit.
-                leaf_refs[members[0]] = _UnitRef(
-                    self._add_unit(plan, root, leaves[members[0]]), None
-                )
+            if len(members) == 1 and leaves[members[0]].tensor is root:
+                # The common case, a tensor saved as itself (not a view): no grouping to
+                # decide, and no call to make for it.
+                leaf_refs[members[0]] = self._own_unit(root, leaves[members[0]], plan)
                 continue
             leaf_refs.update(self._plan_root(root, members, leaves, plan, keep_view_bases))
 
@@ -279,11 +278,6 @@ class TensorGroupProcessor:
     ) -> dict[int, _Ref]:
         refs: dict[int, _Ref] = {}
         tensors = [leaves[i].tensor for i in members]
-        if len(members) == 1 and tensors[0] is root:
-            # A tensor saved as itself, not a view, and not dense (process() takes the
-            # dense ones): no grouping to decide.
-            self._warn_kept(root)
-            return {members[0]: _KeptRef(root)}
         root_key = _storage_key(root)
         same_dtype = all(t.dtype == root.dtype for t in tensors)
         covered = sum(t.numel() for t in tensors)
@@ -325,12 +319,15 @@ class TensorGroupProcessor:
                 refs[i] = _UnitRef(u, view)
             return refs
         for i, t in zip(members, tensors, strict=True):
-            if is_dense(t):
-                refs[i] = _UnitRef(self._add_unit(plan, t, leaves[i]), None)
-            else:
-                self._warn_kept(t)
-                refs[i] = _KeptRef(t)
+            refs[i] = self._own_unit(t, leaves[i], plan)
         return refs
+
+    def _own_unit(self, tensor: torch.Tensor, leaf: _Leaf, plan: GroupPlan) -> _Ref:
+        """``tensor`` as a unit of its own if it is dense, else kept on the device."""
+        if is_dense(tensor):
+            return _UnitRef(self._add_unit(plan, tensor, leaf), None)
+        self._warn_kept(tensor)
+        return _KeptRef(tensor)
 
     @staticmethod
     def _add_unit(plan: GroupPlan, tensor: torch.Tensor, leaf: _Leaf) -> int:

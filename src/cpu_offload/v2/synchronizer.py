@@ -47,10 +47,10 @@ __all__ = [
 # the grad_fn when it unpacks. Every tensor a pack hook of ours keeps goes back detached,
 # except, in V2, a leaf that requires grad (a weight): it holds no node and cannot get
 # one while it requires grad (autograd refuses an in-place change of such a leaf outside
-# torch.no_grad), so it closes no cycle, and a detach costs half a microsecond for each of an offloaded
-# layer's weights. A tensor that needs no grad is detached all the same: an in-place op
-# may give it a grad_fn after its save (``h.add_(h * w)``) whose graph reaches the node
-# that saved it.
+# torch.no_grad), so it closes no cycle, and a detach costs half a microsecond for each
+# of an offloaded layer's weights. A tensor that needs no grad is detached all the same:
+# an in-place op may give it a grad_fn after its save (``h.add_(h * w)``) whose graph
+# reaches the node that saved it.
 
 
 class TensorId(int):
