@@ -6,14 +6,33 @@ CUDA is not available (CI), and selected with ``-m cuda`` on a GPU machine.
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import sys
 
-import pytest
-import torch
+# Inductor compiles in this process, not in its pool of compile-worker processes: the
+# pool forks workers from a process with threads, and its shutdown can wait on them
+# (PyTorch issue 162199); on CI's two cores one compile thread costs nothing. Set before
+# torch is imported, since Inductor reads it once, when its config is first imported.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+#: A test process still alive this long after pytest is done has hung in its exit (a
+#: thread or a child process it waits for): it prints every thread's stack and exits 1.
+#: A hung test itself is stopped by pytest-timeout (``timeout`` in pyproject.toml).
+EXIT_GRACE_S = 120
 
 # Scripts that tests run in subprocesses: not test modules, and not to be imported (their
 # doctests are collected with --doctest-modules otherwise).
 collect_ignore = ["scripts"]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    stream = sys.__stderr__
+    if stream is not None:
+        faulthandler.dump_traceback_later(EXIT_GRACE_S, exit=True, file=stream)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
