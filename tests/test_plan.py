@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from cpu_offload.compare.simulate import LayerProfile, simulate
+from cpu_offload.plan.methods import best_single_methods, single_methods
 from cpu_offload.plan.model import (
     Choice,
     HostCost,
@@ -19,13 +20,7 @@ from cpu_offload.plan.model import (
     estimate,
     offload_schedule,
 )
-from cpu_offload.plan.search import (
-    NoPlanFits,
-    best_single_methods,
-    brute_force,
-    search,
-    single_methods,
-)
+from cpu_offload.plan.search import NoPlanFits, brute_force, search
 from cpu_offload.v2.schedule import default_synchronization_dict
 
 

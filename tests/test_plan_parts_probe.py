@@ -14,9 +14,9 @@ from torch import nn
 from cpu_offload import HostTransport
 from cpu_offload.cli.plan import _print_layers
 from cpu_offload.plan import Choice, Plan, apply_plan, profile_model, save_plan
+from cpu_offload.plan.methods import part_methods
 from cpu_offload.plan.model import Parts
 from cpu_offload.plan.profile import measure_choices
-from cpu_offload.plan.search import part_methods
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -145,15 +145,10 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: Sequen
 
     from ..compare.workload import spec_workload
     from ..plan.io import PlanFileError, choice_to_json, load_plan, save_plan
+    from ..plan.methods import best_single_methods, part_methods, single_methods
     from ..plan.model import Choice, estimate
     from ..plan.profile import measure_choices, profile_model
-    from ..plan.search import (
-        NoPlanFits,
-        best_single_methods,
-        part_methods,
-        search,
-        single_methods,
-    )
+    from ..plan.search import NoPlanFits, search
 
     plan_parser: argparse.ArgumentParser = args.command_parser
     steps = args.steps or 3

@@ -12,6 +12,7 @@ from __future__ import annotations
 from .apply import apply_plan
 from .budget import BudgetCheck, PlanOverBudget
 from .io import PlanFileError, load_plan, save_plan
+from .methods import best_single_methods, part_methods, single_methods
 from .model import (
     Choice,
     Estimate,
@@ -25,15 +26,7 @@ from .model import (
     estimate,
 )
 from .profile import profile_model
-from .search import (
-    NoPlanFits,
-    Plan,
-    best_single_methods,
-    layer_options,
-    part_methods,
-    search,
-    single_methods,
-)
+from .search import NoPlanFits, Plan, layer_options, search
 
 __all__ = [
     "BudgetCheck",
