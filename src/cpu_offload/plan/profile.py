@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from .._layer_stack import find_layers
+from .._link import measure_link
 from .._switch import use_v1
 from ..engine.selection import ActivationPolicy
 from ..v2.context import DEFAULT_MIN_TENSOR_SIZE
@@ -115,8 +116,6 @@ def measure_host_link(nbytes: int = 16 << 20, repeats: int = 3) -> Link:
 
 
 def _cuda_link() -> Link:
-    from ..compare.runner import measure_link
-
     d2h, h2d, both = measure_link()
     # offload_layers' transport copies both directions on one stream.
     return Link(d2h, h2d, both, two_streams=False)
