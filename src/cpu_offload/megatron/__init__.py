@@ -4,10 +4,11 @@ Megatron-LM configures its two offloading mechanisms through config fields: laye
 activation offloading through ``TransformerConfig`` (``cpu_offloading``,
 ``cpu_offloading_num_layers``, ...; section ``model.`` in Megatron Bridge) and
 optimizer-state offloading through ``OptimizerConfig`` (``optimizer_cpu_offload``,
-``optimizer_offload_fraction``, ...; section ``optimizer.``). This module carries those fields with Megatron's defaults and
-validation messages (word for word: users search for them), reads them from any config
-object, parses Megatron Bridge's ``key=value`` overrides, and builds the package's
-activation-offload context and optimizer from them.
+``optimizer_offload_fraction``, ...; section ``optimizer.``). This package carries those
+fields with Megatron's defaults and validation messages (word for word: users search for
+them) and reads them from any config object (``_fields``), parses Megatron Bridge's
+``key=value`` overrides (``_overrides``), and builds the package's activation-offload
+context and optimizer from them (``_build``).
 """
 
 from cpu_offload._megatron_core import MegatronCoreOffload, use_with_megatron_core
