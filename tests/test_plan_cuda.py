@@ -144,6 +144,8 @@ def _plans_on(model: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+# Its subprocess may take 900 s: the test's own limit lies beyond that.
+@pytest.mark.timeout(1200)
 @pytest.mark.parametrize(
     ("model", "needs"), [("llama", "transformers"), ("megatron", "megatron.core")]
 )

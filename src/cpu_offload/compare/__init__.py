@@ -2,6 +2,7 @@
 optimizer-state offloading fractions beside them. :func:`compare_model` is the Python
 form."""
 
+from .._link import measure_link
 from .defaults import ModelDefaults, defaults_for
 from .model import DEFAULT_VARIANTS, compare_model, default_offloaded
 from .optimizer import (
@@ -16,7 +17,7 @@ from .optimizer import (
 from .overrides import CompareSelection, select_from_overrides
 from .plot import write_plot
 from .report import format_table, write_json
-from .runner import CompareConfig, CompareReport, VariantResult, measure_link, run_compare
+from .runner import CompareConfig, CompareReport, VariantResult, run_compare
 from .simulate import LayerProfile, SimResult, simulate
 from .variants import VARIANTS
 from .workload import Workload

@@ -37,7 +37,7 @@ from .workload import Workload, spec_workload
 if TYPE_CHECKING:
     from ..plan.search import Plan
 
-__all__ = ["CompareConfig", "CompareReport", "VariantResult", "run_compare", "measure_link"]
+__all__ = ["CompareConfig", "CompareReport", "VariantResult", "run_compare"]
 
 _GB = 1e9
 
