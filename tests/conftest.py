@@ -23,9 +23,6 @@ import torch  # noqa: E402
 #: thread or a child process it waits for): it prints every thread's stack and exits 1.
 #: A hung test itself is stopped by pytest-timeout (``timeout`` in pyproject.toml).
 EXIT_GRACE_S = 120
-#: An xdist worker is ended silently by its controller 10 s after it was told to stop:
-#: before that, a worker still alive prints every thread's stack.
-WORKER_EXIT_GRACE_S = 8
 
 # Scripts that tests run in subprocesses: not test modules, and not to be imported (their
 # doctests are collected with --doctest-modules otherwise).
@@ -33,12 +30,10 @@ collect_ignore = ["scripts"]
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    # Not in an xdist worker: its controller ends it 10 s after telling it to stop, and
+    # a worker's normal exit has taken over 8 s there on two busy cores.
     stream = sys.__stderr__
-    if stream is None:
-        return
-    if hasattr(config, "workerinput"):  # an xdist worker
-        faulthandler.dump_traceback_later(WORKER_EXIT_GRACE_S, exit=False, file=stream)
-    else:
+    if stream is not None and not hasattr(config, "workerinput"):
         faulthandler.dump_traceback_later(EXIT_GRACE_S, exit=True, file=stream)
 
 
