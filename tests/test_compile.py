@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -348,6 +349,14 @@ def test_engine_modules_are_registered_and_models_are_not() -> None:
         assert f"cpu_offload.{engine}" in names
     for traceable in TRACEABLE_MODULES:
         assert f"cpu_offload.{traceable}" not in names
+
+
+def test_inductor_compiles_in_the_test_process() -> None:
+    # tests/conftest.py sets TORCHINDUCTOR_COMPILE_THREADS before Inductor reads it: read
+    # later, Inductor would start its pool of forked compile workers in every test process.
+    from torch._inductor import config
+
+    assert config.compile_threads == int(os.environ["TORCHINDUCTOR_COMPILE_THREADS"])
 
 
 @pytest.mark.slow
