@@ -84,11 +84,12 @@ def test_a_retained_buffer_is_written_after_the_last_iterations_reload():
     reloads = [e for e in transport.log if e[0] == "reload"]
     assert [o[2] for o in offloads[:2]] == [None, None]
     # Iteration i's offload into each retained buffer waits for iteration i-1's reload
-    # of that same buffer.
+    # of that same buffer (the reloads run in the order backward reads, not the saves').
     for it in (1, 2):
-        for j in range(2):
-            offload, reload = offloads[2 * it + j], reloads[2 * (it - 1) + j]
-            assert offload[2] == reload and offload[1] == reload[2]
+        previous = {r[2]: r for r in reloads[2 * (it - 1) : 2 * it]}
+        assert len(previous) == 2
+        for offload in offloads[2 * it : 2 * it + 2]:
+            assert offload[2] == previous[offload[1]]
 
 
 def test_one_lane_keeps_no_pending_reads():

@@ -141,15 +141,16 @@ def test_a_host_bound_layers_copies_start_once_the_host_has_queued_them() -> Non
     # forward, which the host reaches at 6 ms: compute waits 5 ms there (2 ms if the
     # copy had started at 0).
     host = HostCost(forward_ms=3.0, backward_ms=0.5)
-    layer = LayerCost(1.0, 2.0, saved_bytes=800, offload_bytes=800, input_bytes=10, host=host)
+    layer = LayerCost(1.0, 2.0, saved_bytes=800, offload_bytes=800, input_bytes=200, host=host)
     profile = Profile((layer,) * 3, Link(1e-4, 1e-4))  # 100 bytes a ms
     assert estimate(profile, ["keep"] * 3).step_ms == 3 * 3.0 + 3 * 2.0
     offloaded = estimate(profile, ["offload", "keep", "keep"])
     # Layer 2 then runs from 11 to 12 ms; the backwards of layers 2 and 1 end at 14 and
-    # 16 ms while the reload, started at layer 1's backward (14 ms), runs to 22 ms, and
-    # layer 0's backward waits for it: 22 + 2 = 24 ms.
-    assert offloaded.step_ms == 24.0
-    assert offloaded.stall_ms == 5.0 + 6.0
+    # 16 ms while the reload, started at layer 1's backward (14 ms), runs to 22 ms.
+    # Layer 0's backward runs beside it but for its last quarter (the input's share of
+    # the bytes), which starts when the copy ends: it starts at 20.5, ends at 22.5 ms.
+    assert offloaded.step_ms == 22.5
+    assert offloaded.stall_ms == 5.0 + 4.5
 
 
 def test_host_cost_per_choice_is_never_negative() -> None:
@@ -197,14 +198,15 @@ def test_the_head_adds_to_what_the_layers_hold_at_the_end_of_the_forward() -> No
 
 def test_copies_that_do_not_fit_stall_compute() -> None:
     # 1000 bytes at 500 bytes/ms: 2 ms per copy against 1 ms of forward.
-    layer = LayerCost(1.0, 2.0, saved_bytes=1000, offload_bytes=1000, input_bytes=0)
+    layer = LayerCost(1.0, 2.0, saved_bytes=1000, offload_bytes=1000, input_bytes=500)
     slow = Profile((layer,) * 2, Link(0.0005, 0.0005))
     est = estimate(slow, ["offload", "keep"])
     # Layer 0's offload ends at 2 ms but must end before the forward of layer 1 (at
     # 1 ms): a 1 ms stall. With one layer of two offloaded its reload starts with its
-    # own backward (the schedule's n-k+i-1 = 0): backward waits the whole 2 ms copy.
-    assert est.stall_ms == pytest.approx(3.0)
-    assert est.step_ms == pytest.approx(6.0 + 3.0)
+    # own backward (the schedule's n-k+i-1 = 0): the backward runs beside the 2 ms copy
+    # but for its last half (the input's share of the bytes), which waits for its end.
+    assert est.stall_ms == pytest.approx(1.0 + 1.0)
+    assert est.step_ms == pytest.approx(6.0 + 2.0)
 
 
 @pytest.mark.parametrize(

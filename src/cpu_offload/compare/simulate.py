@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from .._layer_stack import check_indices, offload_schedule
+from ..engine.reload_order import backward_start, last_read_share
 from ..v1.handlers import layer_windows
 
 __all__ = ["LayerProfile", "SimResult", "Span", "simulate", "SIMULATED_VARIANTS"]
@@ -213,6 +214,7 @@ def _per_layer(
         reload_at.setdefault(reload, []).append(layer)
     d2h_free = h2d_free = 0.0
     offload_end: dict[int, float] = {}
+    reload_start: dict[int, float] = {}
     reload_end: dict[int, float] = {}
 
     def finish(point: tuple[bool, int]) -> None:
@@ -237,6 +239,7 @@ def _per_layer(
         finish((False, j))
         for i in reload_at.get(j, ()):
             sim.alloc(p[i].offload_bytes)
+            reload_start[i] = max(h2d_free, sim.t)
             reload_end[i] = sim.copy("reload", f"L{i}", h2d_free, sim.t, p[i].offload_bytes)
             h2d_free = reload_end[i]
             if not duplex:
@@ -248,9 +251,16 @@ def _per_layer(
             sim.free(p[j].saved_bytes + p[j].input_bytes)
             continue
         if j in offloaded:
-            sim.wait_until(reload_end[j], f"wait reload L{j}")
+            _wait_beside(sim, p[j], reload_start[j], reload_end[j], f"wait reload L{j}")
         sim.compute(f"B{j}", p[j].backward_ms)
         sim.free(p[j].saved_bytes)
+
+
+def _wait_beside(sim: _Sim, layer: LayerProfile, start: float, end: float, label: str) -> None:
+    # The copies back come in the order the backward reads them: it runs beside them
+    # (NOTE [Reloads in the order backward reads] in engine/reload_order.py).
+    share = last_read_share(layer.input_bytes, layer.offload_bytes)
+    sim.wait_until(backward_start(start, end, layer.backward_ms, share), label)
 
 
 def _v1_async(sim: _Sim, p: list[LayerProfile], k: int) -> None:
@@ -261,6 +271,7 @@ def _v1_async(sim: _Sim, p: list[LayerProfile], k: int) -> None:
         release_at.setdefault(window, []).append(group)
     d2h_free = h2d_free = 0.0
     offload_end: dict[int, float] = {}
+    reload_start: dict[int, float] = {}
     reload_end: dict[int, float] = {}
     for j in range(n):
         sim.alloc(p[j].saved_bytes)
@@ -274,11 +285,12 @@ def _v1_async(sim: _Sim, p: list[LayerProfile], k: int) -> None:
     for j in reversed(range(n)):
         for group in sorted(release_at.get(j, ()), reverse=True):
             sim.alloc(p[group].offload_bytes)
+            reload_start[group] = max(h2d_free, sim.t)
             reload_end[group] = sim.copy(
                 "reload", f"L{group}", h2d_free, sim.t, p[group].offload_bytes
             )
             h2d_free = reload_end[group]
         if j < k:
-            sim.wait_until(reload_end[j], f"wait reload L{j}")
+            _wait_beside(sim, p[j], reload_start[j], reload_end[j], f"wait reload L{j}")
         sim.compute(f"B{j}", p[j].backward_ms)
         sim.free(p[j].saved_bytes)

@@ -10,6 +10,8 @@ drive, one module per role:
   move the bytes (CUDA, or the CPU stand-in);
 * :mod:`~cpu_offload.engine.layer_state`: one layer's tensors and the state machine
   that moves them;
+* :mod:`~cpu_offload.engine.reload_order`: the order of a layer's copies back, and
+  when its backward may start beside them;
 * :mod:`~cpu_offload.engine.active`: which offload contexts are active, per thread;
 * :mod:`~cpu_offload.engine.context`: the ``with`` block both front-ends' contexts share.
 

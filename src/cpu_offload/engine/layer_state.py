@@ -11,6 +11,7 @@ import torch
 from .. import _log
 from .._compat import pinned_alloc_in_capture_supported
 from .layout import TensorLayout
+from .reload_order import latest_saved_first
 from .tensor_group import GroupPlan, SavedEntry, TensorGroupProcessor, Unit
 from .transport import HostBufferPool, Transport, resolve_transport
 
@@ -80,6 +81,11 @@ class OffloadableLayerState:
         self._retained_sizes: list[int] = []
         self._captured: list[torch.Tensor] = []  # host buffers a captured graph uses
         self._seq = 0
+        #: Units of the current plan in the order backward first read them, and the
+        #: order the last backward read the moved units in, with their layouts (NOTE
+        #: [Reloads in the order backward reads] in ``reload_order.py``).
+        self._reads: list[int] = []
+        self._read_order: tuple[tuple[TensorLayout, ...], list[int]] | None = None
         #: Keep on the device the bases copied only for the sake of strided views
         #: (NOTE [Bytes that pay] in ``peak_watch.py``); read at each :meth:`start_offload`.
         self.keep_view_bases = False
@@ -294,10 +300,29 @@ class OffloadableLayerState:
         if _log.debug_enabled():
             _log.moved(self.name, "reload", sum(u.nbytes for u in units), len(units))
         buffers = device_buffers or []
+        order = self.reload_order(units)
         self._reload_units(
-            units, [buffers[i] if i < len(buffers) else None for i in range(len(units))]
+            [units[i] for i in order], [buffers[i] if i < len(buffers) else None for i in order]
         )
         self.phase = LayerPhase.RELOAD_STARTED
+
+    def reload_order(self, moved: list[Unit]) -> list[int]:
+        """Positions in ``moved`` in the order their copies back are queued: the order
+        the last backward first read them in where the units are the same, else the
+        latest saved first (NOTE [Reloads in the order backward reads] in
+        ``reload_order.py``)."""
+        known = self._read_order
+        if known is not None and known[0] == tuple(u.layout for u in moved):
+            return known[1]
+        return latest_saved_first(moved, range(len(moved)))
+
+    def _remember_read_order(self, plan: GroupPlan) -> None:
+        moved = plan.moved
+        position = {id(u): i for i, u in enumerate(moved)}
+        order = [position[id(plan.units[u])] for u in self._reads if id(plan.units[u]) in position]
+        read = set(order)
+        unread = latest_saved_first(moved, (i for i in range(len(moved)) if i not in read))
+        self._read_order = (tuple(u.layout for u in moved), order + unread)
 
     def _reload_units(self, units: list[Unit], buffers: list[torch.Tensor | None]) -> None:
         # Every buffer is allocated before any copy is queued (an allocation that fails
@@ -361,6 +386,9 @@ class OffloadableLayerState:
         stream = self.transport.current_stream() if unit_ids else None
         for u in unit_ids:
             unit = plan.units[u]
+            if not unit.read:
+                unit.read = True
+                self._reads.append(u)
             if unit.reloaded is None:
                 # Read more often than it was saved (a custom Function reading
                 # ctx.saved_tensors twice): copy the host copy again, or find the kept
@@ -422,6 +450,9 @@ class OffloadableLayerState:
         stream, not the host), so memory is never reused under a running copy.
         """
         if self._plan is not None:
+            if self._reads:
+                self._remember_read_order(self._plan)
+                self._reads = []
             stream = self.transport.current_stream()
             waited: object | None = None
             for unit in self._plan.units:

@@ -80,6 +80,9 @@ class Unit:
     kept: bool = False
     returned: list[weakref.ref[torch.Tensor]] = field(default_factory=list)
     storage_offset: int = 0  # of the kept device tensor, to rebuild it from ``returned``
+    #: Read by backward at least once (NOTE [Reloads in the order backward reads] in
+    #: ``reload_order.py``).
+    read: bool = False
 
     @property
     def nbytes(self) -> int:

@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .._layer_stack import offload_schedule as layer_stack_schedule
+from ..engine.reload_order import backward_start
 from ..v2.schedule import Point, Schedule, SyncDict, validate_synchronization_dict
 from .costs import Choice, HostCost, LayerCost, PartCost, Parts, Storage
 from .usage import is_offloaded, use_of
@@ -246,6 +247,7 @@ class _Copies:
         self.now = 0.0
         self.lanes: dict[str, deque[list]] = {"d2h": deque(), "h2d": deque()}
         self.done: dict[int, float] = {}
+        self.started: dict[int, float] = {}
         self._next_job = 0
 
     def _lane(self, direction: str) -> deque[list]:
@@ -277,6 +279,7 @@ class _Copies:
                 events.append(max(h[2], self.now))
         t = min(events)
         for h in active:
+            self.started.setdefault(h[3], self.now)
             rate = d_rate if h[4] == "d2h" else h_rate
             h[1] = max(h[1] - (t - self.now) * rate, 0.0)
         self.now = t
@@ -332,7 +335,17 @@ class _Timeline:
 
     def wait_for(self, job: int) -> None:
         self.copies.run_until(self.t)
+        self._wait_until(self.copies.end_of(job))
+
+    def wait_beside(self, job: int, busy_ms: float, last_share: float) -> None:
+        """Wait until a backward of ``busy_ms`` may start beside the copies of ``job``
+        (NOTE [Reloads in the order backward reads] in ``engine/reload_order.py``)."""
+        self.copies.run_until(self.t)
         end = self.copies.end_of(job)
+        start = self.copies.started.get(job, end)  # a copy of no bytes never ran
+        self._wait_until(backward_start(start, end, busy_ms, last_share))
+
+    def _wait_until(self, end: float) -> None:
         if end > self.t:
             self.stall += end - self.t
             self.t = end
@@ -406,13 +419,14 @@ def estimate(profile: Profile, choices: Sequence[object]) -> Estimate:
         busy_ms, host_ms = use.rerun_ms + cost.backward_ms, use.host_backward_ms
         if use.offloaded:
             # The backward runs until it needs its first offloaded tensor, which comes
-            # back (with the rest of the layer's, in forward order) meanwhile.
+            # back meanwhile; then beside the rest of the layer's copies, which come back
+            # in the order it reads them.
             ahead = min(use.ahead_ms, cost.backward_ms)
             if ahead > 0:
                 ahead_host = host_ms * ahead / busy_ms
                 tl.compute(ahead, cost.workspace_bytes, ahead_host)
                 busy_ms, host_ms = busy_ms - ahead, host_ms - ahead_host
-            tl.wait_for(reload_job[j])
+            tl.wait_beside(reload_job[j], busy_ms, use.last_share)
         tl.compute(busy_ms, cost.workspace_bytes, host_ms)
         tl.free(use.resident + use.moved + use.copied + use.rerun_bytes)
     return Estimate(tl.t + profile.other_ms, profile.static_bytes + tl.peak, tl.stall)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..engine.reload_order import last_read_share
 from .costs import Choice, HostCost, LayerCost, Parts
 
 __all__ = ["Use", "is_offloaded", "layer_bytes", "use_of"]
@@ -39,6 +40,9 @@ class Use:
             offloaded: the backward of the parts that save only after the last storage
             it moves. 0 for a whole offloaded layer, whose last saved tensor is the first
             its backward needs.
+        last_share: The share of the rest of its backward that waits for the last of its
+            copies back (NOTE [Reloads in the order backward reads] in
+            ``cpu_offload/engine/reload_order.py``); the rest runs beside them.
     """
 
     resident: int
@@ -51,6 +55,7 @@ class Use:
     host_backward_ms: float = 0.0
     offloaded: bool = False
     ahead_ms: float = 0.0
+    last_share: float = 1.0
 
 
 def is_offloaded(choice: Choice | Parts) -> bool:
@@ -81,6 +86,7 @@ def use_of(cost: LayerCost, choice: Choice | Parts, engaged: bool) -> Use:
             host_forward_ms=host_f,
             host_backward_ms=host_b,
             offloaded=True,
+            last_share=last_read_share(cost.input_bytes, cost.offload_bytes),
         )
     if choice is Choice.RECOMPUTE:
         alloc = cost.recompute_alloc_bytes
@@ -187,6 +193,10 @@ def _use_of_parts(cost: LayerCost, parts: Parts, engaged: bool) -> Use:
         host_backward_ms=host_b,
         offloaded=parts.offloads,
         ahead_ms=_ahead_ms(cost, copies),
+        # What comes back last is the first storage the forward saved of those sent.
+        last_share=last_read_share(storages[min(copies)].offload_bytes, moved + copied)
+        if copies
+        else 1.0,
     )
 
 

@@ -1,0 +1,73 @@
+"""The order of a layer's copies back, and when its backward may start beside them.
+
+NOTE [Reloads in the order backward reads]
+A layer's backward reads its saved tensors roughly in the reverse of the order its
+forward saved them: the last op's inputs first. Each reload copy records its own event
+and each read waits only for its own unit's, so the backward can start as soon as the
+first units it reads are back, if those are copied first, and run beside the rest of the
+layer's copies. :meth:`~cpu_offload.engine.layer_state.OffloadableLayerState.start_reload`
+therefore queues the copies in the order the previous backward of the layer first read
+each unit, which ``pop_tensor`` records; where that order does not fit (the first
+iteration, or other units than last time: another grouping, or another budget of kept
+units), in the reverse of the order the units were saved (:func:`latest_saved_first`).
+Only the order of the copies changes: each unit is read back from its own host buffer into
+its own device tensor, and every read still waits for its copy.
+
+The timeline models (the planner's and the comparison tool's) follow it with
+:func:`backward_start`: the backward runs beside its copies, and only its last share,
+which reads what the forward saved first (the layer's input, taken as that share of the
+bytes moved: :func:`last_read_share`), waits for the last copy. On Megatron-Core's GPT
+(16 layers, hidden 2048) this ordering took 2 to 5 ms off the step at 4 and 8 offloaded
+layers of 16 against copying in the order of the saves (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+__all__ = ["backward_start", "last_read_share", "latest_saved_first"]
+
+
+class _Saved(Protocol):
+    ready_seq: int
+
+
+def latest_saved_first(units: Sequence[_Saved], positions: Iterable[int]) -> list[int]:
+    """``positions`` (into ``units``) ordered by when the unit was saved, latest first.
+
+    Example:
+        >>> from types import SimpleNamespace as U
+        >>> latest_saved_first([U(ready_seq=1), U(ready_seq=3), U(ready_seq=2)], range(3))
+        [1, 2, 0]
+    """
+    return sorted(positions, key=lambda i: units[i].ready_seq, reverse=True)
+
+
+def last_read_share(input_bytes: int, moved_bytes: int) -> float:
+    """The share of an offloaded layer's backward that waits for its last copy back: its
+    input's share of the bytes moved, 1 where nothing is known to be moved.
+
+    Example:
+        >>> last_read_share(16, 1024), last_read_share(16, 0)
+        (0.015625, 1.0)
+    """
+    if moved_bytes <= 0:
+        return 1.0
+    return min(max(input_bytes / moved_bytes, 0.0), 1.0)
+
+
+def backward_start(
+    reload_start: float, reload_end: float, backward_ms: float, last_share: float
+) -> float:
+    """The earliest start of a layer's backward of ``backward_ms`` whose copies back run
+    from ``reload_start`` to ``reload_end``: not before they start, and late enough that
+    its last share (``last_share`` of it) begins when the last copy ends.
+
+    Example:
+        >>> backward_start(10.0, 30.0, 8.0, 0.25)  # 6 ms run beside the copies
+        24.0
+        >>> backward_start(10.0, 12.0, 8.0, 0.25)  # shorter copies: start with them
+        10.0
+    """
+    return max(reload_start, reload_end - backward_ms * (1.0 - last_share))
