@@ -33,13 +33,13 @@ from host_overhead import CUDA_SPEC as SPEC  # noqa: E402  (compare's default mo
 from cpu_offload import v2  # noqa: E402
 from cpu_offload.engine import layer_state, tensor_group, transport  # noqa: E402
 from cpu_offload.models import build_layers  # noqa: E402
-from cpu_offload.v2 import synchronizer  # noqa: E402
+from cpu_offload.v2.default import DefaultOffloadSynchronizer  # noqa: E402
 
 #: The engine's entry points timed inside real steps: (class, method).
 ENTRY_POINTS = [
-    (synchronizer.DefaultOffloadSynchronizer, "fwd_step"),
-    (synchronizer.DefaultOffloadSynchronizer, "bwd_step"),
-    (synchronizer.DefaultOffloadSynchronizer, "finish_part_of_bwd"),
+    (DefaultOffloadSynchronizer, "fwd_step"),
+    (DefaultOffloadSynchronizer, "bwd_step"),
+    (DefaultOffloadSynchronizer, "finish_part_of_bwd"),
     (layer_state.OffloadableLayerState, "push_tensor"),
     (layer_state.OffloadableLayerState, "start_offload"),
     (tensor_group.TensorGroupProcessor, "process"),

@@ -8,9 +8,10 @@ from ..engine.active import is_cpu_offload_enabled, is_current_layer_offloaded
 from ..engine.layer_state import OffloadableLayerState
 from ..engine.selection import mark_activation_offload, mark_not_offload
 from .context import OffloadContext, SyncFunction, get_cpu_offload_context, start_offload
+from .default import DefaultOffloadSynchronizer
 from .manual import ManualOffloadSynchronizer
 from .schedule import default_synchronization_dict, validate_synchronization_dict
-from .synchronizer import DefaultOffloadSynchronizer, OffloadSynchronizer
+from .synchronizer import OffloadSynchronizer
 
 __all__ = [
     "DefaultOffloadSynchronizer",

@@ -20,13 +20,14 @@ from ..engine.active import ActiveHooks, active_context
 from ..engine.context import OffloadContextBase
 from ..engine.selection import ActivationPolicy
 from ..engine.transport import Transport, resolve_transport
+from .default import DefaultOffloadSynchronizer
 from .manual import ManualOffloadSynchronizer
 from .schedule import (
     check_layer_counts,
     default_synchronization_dict,
     validate_synchronization_dict,
 )
-from .synchronizer import DefaultOffloadSynchronizer, OffloadSynchronizer
+from .synchronizer import OffloadSynchronizer
 
 __all__ = ["OffloadContext", "SyncFunction", "get_cpu_offload_context", "start_offload"]
 
