@@ -17,7 +17,7 @@ The timeline models (the planner's and the comparison tool's) follow it with
 :func:`backward_start`: the backward runs beside its copies, and only its last share,
 which reads what the forward saved first (the layer's input, taken as that share of the
 bytes moved: :func:`last_read_share`), waits for the last copy. On Megatron-Core's GPT
-(16 layers, hidden 2048) this ordering took 2 to 5 ms off the step at 4 and 8 offloaded
+(16 layers, hidden 2048) this ordering took 1.5 to 5 ms off the step at 4 and 8 offloaded
 layers of 16 against copying in the order of the saves (docs/benchmarks.md).
 """
 
