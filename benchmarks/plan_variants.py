@@ -9,6 +9,9 @@ writes a ``torch.profiler`` chrome trace of two steps of each plan named there.
 
     python benchmarks/plan_variants.py                  # the Llama of plan.py, 8 plans
     python benchmarks/plan_variants.py --workload megatron --plans KKKKKKKKKKKK,OOKKKKKKKKKK
+
+The default plans have 12 letters (the Llama and the Megatron-Core GPT of ``plan.py``);
+for workload D (16 layers) or compare's model (8) name plans of their length.
     python benchmarks/plan_variants.py --trace ORRORRRKKRRR --out traces/
 """
 
@@ -19,6 +22,7 @@ import gzip
 import json
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -49,7 +53,9 @@ def _choices(plan: str, n: int) -> list[Choice]:
     return [LETTERS[c] for c in plan]
 
 
-def _trace(model, step, plan: str, n: int, out: Path) -> None:  # type: ignore[no-untyped-def]
+def _trace(
+    model: torch.nn.Module, step: Callable[[], torch.Tensor], plan: str, n: int, out: Path
+) -> None:
     offloaded, recomputed, parts = offload_layers_arguments(check_choices(_choices(plan, n), n))
     with offload_layers(model, offloaded=offloaded, recomputed=recomputed, parts=parts):
         for _ in range(3):

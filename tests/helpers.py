@@ -132,3 +132,48 @@ class StepTensors(TorchDispatchMode):
             t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in self.alive(model)
         }
         return sum(storages.values())
+
+
+class ReloadOrderRecorder:
+    """Per reload of a layer's units: the order their copies back were queued in, and the
+    order backward first read them in (NOTE [Reloads in the order backward reads]).
+
+    Installed on :class:`~cpu_offload.v2.OffloadableLayerState` with ``monkeypatch``; units
+    are told apart by ``id``, so :meth:`clear` it before the iteration to check.
+    """
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from cpu_offload.v2 import OffloadableLayerState
+
+        self.queued: list[list[int]] = []
+        self.first_reads: dict[int, int] = {}
+        reload_units, join_reload = (
+            OffloadableLayerState._reload_units,
+            OffloadableLayerState._join_reload,
+        )
+
+        def logged_reload(state, units, buffers):  # type: ignore[no-untyped-def]
+            if len(units) > 1:  # a layer's reload (one unit alone: read again on demand)
+                self.queued.append([id(u) for u in units])
+            return reload_units(state, units, buffers)
+
+        def logged_join(state, unit, stream, *, reads=False):  # type: ignore[no-untyped-def]
+            if reads:
+                self.first_reads.setdefault(id(unit), len(self.first_reads))
+            return join_reload(state, unit, stream, reads=reads)
+
+        monkeypatch.setattr(OffloadableLayerState, "_reload_units", logged_reload)
+        monkeypatch.setattr(OffloadableLayerState, "_join_reload", logged_join)
+
+    def clear(self) -> None:
+        self.queued.clear()
+        self.first_reads.clear()
+
+    def assert_queued_in_read_order(self) -> None:
+        """Every reload since :meth:`clear` queued its copies in the order backward then
+        read them (units never read at the end)."""
+        assert self.queued, "no layer was reloaded"
+        last = len(self.first_reads)
+        for queued in self.queued:
+            read = sorted(queued, key=lambda u: self.first_reads.get(u, last))
+            assert queued == read, "copies back not queued in the order backward read them"

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import ReloadOrderRecorder, assert_bit_equal, step
 
-from cpu_offload import HostTransport
+from cpu_offload import HostTransport, v2
 from cpu_offload.compare import LayerProfile, simulate
 from cpu_offload.engine.reload_order import backward_start, last_read_share
+from cpu_offload.models import ModelSpec, build_layers
 from cpu_offload.v2 import OffloadableLayerState
 
 
@@ -142,3 +144,48 @@ def test_the_simulated_backward_runs_beside_its_copies():
 
     assert step(1000) - step(500) == pytest.approx(2.0 - 0.5)
     assert step(1000) - step(100) == pytest.approx(2.0)
+
+
+def test_kept_units_keep_the_learnt_order_of_the_rest():
+    # A budget that keeps a unit on the device this iteration (and not last) leaves the
+    # order learnt for the others in force, and a kept unit read first takes no place.
+    state = OffloadableLayerState(None, transport=_Logged())
+    tensors = _tensors()
+    _iteration(state, tensors, read=[1, 3, 0, 2])
+    state.keep_budget = 64 * 64 * 4  # the first tensor, the largest
+    ids = _offloaded(state, tensors)
+    assert state.budget_kept_bytes == 64 * 64 * 4
+    ptrs = {
+        p: i
+        for i, p in (
+            (i, u.host_view.data_ptr()) for i, u in enumerate(state._plan.units) if not u.kept
+        )
+    }
+    state.transport.reloads.clear()
+    state.start_reload()
+    assert [ptrs[p] for p in state.transport.reloads] == [1, 3, 2]
+    for i in (0, 2, 1, 3):
+        assert torch.equal(state.pop_tensor(ids[i]), tensors[i])
+    state.release_all_memory()
+    state.keep_budget = 0
+    assert _iteration(state, tensors, read=[3, 2, 1, 0]) == [0, 2, 1, 3]
+
+
+@pytest.mark.parametrize("kind", ["gpt", "encoder", "mha"])
+def test_real_backwards_read_in_the_order_the_copies_came_back(kind, monkeypatch):
+    # Real autograd on the CPU stand-in (SDPA with q, k, v views of one projection,
+    # nn.TransformerEncoderLayer, nn.MultiheadAttention): from the second iteration every
+    # layer's copies back are queued in the order its backward reads them, and the
+    # results stay bit-identical to no offloading.
+    spec = ModelSpec(kind=kind, hidden=64, heads=4, seq=32, batch=2, layers=4)
+    layers = build_layers(spec, "cpu")
+    ref = step(layers, lambda: spec.make_input("cpu"))
+    recorder = ReloadOrderRecorder(monkeypatch)
+    ctx, sync = v2.get_cpu_offload_context(
+        enabled=True, num_layers=2, model_layers=4, min_tensor_size_to_offload=1
+    )
+    for iteration in range(3):
+        recorder.clear()
+        assert_bit_equal(ref, step(layers, lambda: spec.make_input("cpu"), ctx, sync))
+        if iteration > 0:
+            recorder.assert_queued_in_read_order()

@@ -126,6 +126,20 @@ def test_a_backward_runs_until_it_needs_what_a_part_offloaded() -> None:
         assert est.step_ms == pytest.approx(keep.step_ms + stall)
 
 
+def test_a_backward_runs_beside_the_copies_of_an_offloaded_part() -> None:
+    # The core offloaded: its 120 bytes come back in 12 ms (1e-5 GB/s), from the start of
+    # the layer's backward, the first saved (the projection's output, 20 bytes) last.
+    # The backward runs the MLP's 4 ms first, then the core's and the projection's 3 ms
+    # beside the copies; only the sixth of them that reads the projection's output (its
+    # share of the bytes) waits for the last copy: it starts at 12 - 2.5 = 9.5 ms, a
+    # stall of 5.5 ms (8 ms if the whole reload came first).
+    keep = estimate(Profile((LAYER,) * 2, Link(1e-4, 1e-5)), [K, K])
+    assert use_of(LAYER, _parts(core=OFF), True).last_share == pytest.approx(20 / 120)
+    est = estimate(Profile((LAYER,) * 2, Link(1e-4, 1e-5)), [_parts(core=OFF), K])
+    assert est.stall_ms == pytest.approx(5.5)
+    assert est.step_ms == pytest.approx(keep.step_ms + 5.5)
+
+
 def test_a_recomputed_part_costs_the_host_its_share_of_the_layer() -> None:
     # The layer's forward takes the host 2 ms; recomputing it whole adds 0.8 ms to its
     # forward (the checkpoint's hooks) and 2.4 ms to its backward. The core's forward

@@ -11,7 +11,7 @@ import torch
 from .. import _log
 from .._compat import pinned_alloc_in_capture_supported
 from .layout import TensorLayout
-from .reload_order import latest_saved_first
+from .reload_order import ReadOrder
 from .tensor_group import GroupPlan, SavedEntry, TensorGroupProcessor, Unit
 from .transport import HostBufferPool, Transport, resolve_transport
 
@@ -81,11 +81,9 @@ class OffloadableLayerState:
         self._retained_sizes: list[int] = []
         self._captured: list[torch.Tensor] = []  # host buffers a captured graph uses
         self._seq = 0
-        #: Units of the current plan in the order backward first read them, and the
-        #: order the last backward read the moved units in, with their layouts (NOTE
-        #: [Reloads in the order backward reads] in ``reload_order.py``).
-        self._reads: list[int] = []
-        self._read_order: tuple[tuple[TensorLayout, ...], list[int]] | None = None
+        #: The order backward reads the units in (NOTE [Reloads in the order backward
+        #: reads] in ``reload_order.py``).
+        self._read_order = ReadOrder()
         #: Keep on the device the bases copied only for the sake of strided views
         #: (NOTE [Bytes that pay] in ``peak_watch.py``); read at each :meth:`start_offload`.
         self.keep_view_bases = False
@@ -295,34 +293,21 @@ class OffloadableLayerState:
             RuntimeError: Unless called in state ``offload_finished``.
         """
         self._expect("start_reload", LayerPhase.OFFLOAD_FINISHED)
-        assert self._plan is not None
-        units = self._plan.moved  # kept ones never left
+        plan = self._plan
+        assert plan is not None
+        # Kept units never left; the moved ones go back in the order backward reads them
+        # (NOTE [Reloads in the order backward reads] in ``reload_order.py``).
+        units = self._read_order.moved_in_order(plan)
         if _log.debug_enabled():
             _log.moved(self.name, "reload", sum(u.nbytes for u in units), len(units))
-        buffers = device_buffers or []
-        order = self.reload_order(units)
-        self._reload_units(
-            [units[i] for i in order], [buffers[i] if i < len(buffers) else None for i in order]
-        )
+        buffers: list[torch.Tensor | None] = [None] * len(units)
+        if device_buffers:  # given by unit, in the order of plan.moved
+            position = {id(u): i for i, u in enumerate(plan.moved)}
+            for j, unit in enumerate(units):
+                i = position[id(unit)]
+                buffers[j] = device_buffers[i] if i < len(device_buffers) else None
+        self._reload_units(units, buffers)
         self.phase = LayerPhase.RELOAD_STARTED
-
-    def reload_order(self, moved: list[Unit]) -> list[int]:
-        """Positions in ``moved`` in the order their copies back are queued: the order
-        the last backward first read them in where the units are the same, else the
-        latest saved first (NOTE [Reloads in the order backward reads] in
-        ``reload_order.py``)."""
-        known = self._read_order
-        if known is not None and known[0] == tuple(u.layout for u in moved):
-            return known[1]
-        return latest_saved_first(moved, range(len(moved)))
-
-    def _remember_read_order(self, plan: GroupPlan) -> None:
-        moved = plan.moved
-        position = {id(u): i for i, u in enumerate(moved)}
-        order = [position[id(plan.units[u])] for u in self._reads if id(plan.units[u]) in position]
-        read = set(order)
-        unread = latest_saved_first(moved, (i for i in range(len(moved)) if i not in read))
-        self._read_order = (tuple(u.layout for u in moved), order + unread)
 
     def _reload_units(self, units: list[Unit], buffers: list[torch.Tensor | None]) -> None:
         # Every buffer is allocated before any copy is queued (an allocation that fails
@@ -388,7 +373,7 @@ class OffloadableLayerState:
             unit = plan.units[u]
             if not unit.read:
                 unit.read = True
-                self._reads.append(u)
+                self._read_order.reads.append(u)
             if unit.reloaded is None:
                 # Read more often than it was saved (a custom Function reading
                 # ctx.saved_tensors twice): copy the host copy again, or find the kept
@@ -450,9 +435,8 @@ class OffloadableLayerState:
         stream, not the host), so memory is never reused under a running copy.
         """
         if self._plan is not None:
-            if self._reads:
-                self._remember_read_order(self._plan)
-                self._reads = []
+            if self._read_order.reads:
+                self._read_order.remember(self._plan)
             stream = self.transport.current_stream()
             waited: object | None = None
             for unit in self._plan.units:

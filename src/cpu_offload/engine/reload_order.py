@@ -7,18 +7,25 @@ and each read waits only for its own unit's, so the backward can start as soon a
 first units it reads are back, if those are copied first, and run beside the rest of the
 layer's copies. :meth:`~cpu_offload.engine.layer_state.OffloadableLayerState.start_reload`
 therefore queues the copies in the order the previous backward of the layer first read
-each unit, which ``pop_tensor`` records; where that order does not fit (the first
-iteration, or other units than last time: another grouping, or another budget of kept
-units), in the reverse of the order the units were saved (:func:`latest_saved_first`).
-Only the order of the copies changes: each unit is read back from its own host buffer into
-its own device tensor, and every read still waits for its copy.
+each unit, which ``pop_tensor`` records (:class:`ReadOrder`, over every unit of the layer,
+kept ones included, so that a budget that keeps other units than last time still finds
+it); where that order does not fit (the first iteration, or units of other layouts: the
+layer saved other tensors), in the reverse of the order the units were saved
+(:func:`latest_saved_first`). Only the order of the copies changes: each unit is read back
+from its own host buffer into its own device tensor, and every read still waits for its
+copy. A backward that reads all its saved tensors at once (one autograd node for the whole
+layer, as a compiled region or a fused custom Function) waits for all of them whatever
+the order.
 
 The timeline models (the planner's and the comparison tool's) follow it with
 :func:`backward_start`: the backward runs beside its copies, and only its last share,
 which reads what the forward saved first (the layer's input, taken as that share of the
-bytes moved: :func:`last_read_share`), waits for the last copy. On Megatron-Core's GPT
-(16 layers, hidden 2048) this ordering took 1.5 to 5 ms off the step at 4 and 8 offloaded
-layers of 16 against copying in the order of the saves (docs/benchmarks.md).
+bytes moved: :func:`last_read_share`), waits for the last copy. The model assumes the
+reads spread over the backward as the bytes do, and lets the backward start with the
+copies (the first unit's own copy time is not counted). On Megatron-Core's GPT (16
+layers, hidden 2048), alternating with copies in the order of the saves, the step was 1.5
+to 5 ms shorter per pair of runs at 4 and 8 offloaded layers of 16, about 3 ms (2%) on
+average (docs/benchmarks.md, 2026-11-27).
 """
 
 from __future__ import annotations
@@ -26,7 +33,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
-__all__ = ["backward_start", "last_read_share", "latest_saved_first"]
+from .layout import TensorLayout
+from .tensor_group import GroupPlan, Unit
+
+__all__ = ["ReadOrder", "backward_start", "last_read_share", "latest_saved_first"]
 
 
 class _Saved(Protocol):
@@ -71,3 +81,39 @@ def backward_start(
         10.0
     """
     return max(reload_start, reload_end - backward_ms * (1.0 - last_share))
+
+
+class ReadOrder:
+    """The order one layer's backward first reads its units in, learnt for its next reload.
+
+    ``reads`` collects the indices (into the plan's units) as the backward first reads
+    each; :meth:`remember` keeps them at the layer's release, with the layouts of every
+    unit; :meth:`moved_in_order` gives the next plan's moved units in that order where
+    its units have the same layouts, else latest saved first.
+    """
+
+    __slots__ = ("_known", "reads")
+
+    def __init__(self) -> None:
+        self.reads: list[int] = []
+        self._known: tuple[tuple[TensorLayout, ...], tuple[int, ...]] | None = None
+
+    def remember(self, plan: GroupPlan) -> None:
+        """Keep the reads of ``plan``'s backward (units never read last, latest saved
+        first), and start collecting anew."""
+        units = plan.units
+        reads = self.reads
+        if len(reads) < len(units):
+            seen = set(reads)
+            reads += latest_saved_first(units, (i for i in range(len(units)) if i not in seen))
+        self._known = (tuple(u.layout for u in units), tuple(reads))
+        self.reads = []
+
+    def moved_in_order(self, plan: GroupPlan) -> list[Unit]:
+        """``plan``'s moved units in the order their copies back are to be queued."""
+        units = plan.units
+        known = self._known
+        if known is not None and len(known[1]) == len(units):
+            if known[0] == tuple(u.layout for u in units):
+                return [units[i] for i in known[1] if not units[i].kept]
+        return [units[i] for i in latest_saved_first(units, range(len(units))) if not units[i].kept]
