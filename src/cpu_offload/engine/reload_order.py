@@ -23,9 +23,10 @@ which reads what the forward saved first (the layer's input, taken as that share
 bytes moved: :func:`last_read_share`), waits for the last copy. The model assumes the
 reads spread over the backward as the bytes do, and lets the backward start with the
 copies (the first unit's own copy time is not counted). On Megatron-Core's GPT (16
-layers, hidden 2048), alternating with copies in the order of the saves, the step was 1.5
-to 5 ms shorter per pair of runs at 4 and 8 offloaded layers of 16, about 3 ms (2%) on
-average (docs/benchmarks.md, 2026-11-27).
+layers, hidden 2048), in three pairs of runs alternating with copies in the order of the
+saves, the step at 4 offloaded layers of 16 was 2.4 to 4.2 ms (about 2%) shorter; at 8
+the pairs differed by +5.0 to -2.9 ms, no difference shown (docs/benchmarks.md,
+2026-11-27).
 """
 
 from __future__ import annotations
