@@ -15,8 +15,10 @@ Megatron's HybridDeviceOptimizer also runs beside ours in the same process, both
 fused ``torch.optim.AdamW`` on each side, timed as whole training iterations back to
 back (so that a host step finishing under the next forward is counted where it is
 waited for): Megatron's, ours, ours with ``overlap_host_step_with_forward`` and ours
-with that and ``offload_last_layers``, per fraction and overlap setting; ours with early
-gradient copies on and off where ``--early-grad-copy both`` asks for it. Each setting
+with that and ``offload_last_layers``, and with those and a share of the offloaded state
+streamed through the GPU (``stream_share``, ``--stream-shares``), per fraction and overlap
+setting; ours with early gradient copies on and off where ``--early-grad-copy both`` asks
+for it. Each setting
 runs ``--rounds`` rounds that alternate the optimizers; a row is the median of its rounds.
 
 Usage::
@@ -131,6 +133,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "optimizer's default; both: one row each, to choose per fraction)",
     )
     parser.add_argument(
+        "--stream-shares",
+        default="0.5",
+        help="with --peer: also run ours under forward with the last layers offloaded and "
+        "this share of the offloaded state streamed through the GPU (stream_share), one row "
+        "per comma-separated share (default 0.5; empty for none)",
+    )
+    parser.add_argument(
         "--rounds",
         type=int,
         default=3,
@@ -154,6 +163,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--fractions must lie in (0, 1]")
     if args.peer is not None and not args.peer.exists():
         parser.error(f"--peer: {args.peer} does not exist (Megatron-LM's hybrid_optimizer.py)")
+    try:
+        args.stream_share_list = [float(x) for x in args.stream_shares.split(",") if x.strip()]
+    except ValueError:
+        parser.error(f"--stream-shares must be comma-separated numbers, got {args.stream_shares!r}")
+    if any(not 0.0 < s <= 1.0 for s in args.stream_share_list):
+        parser.error("--stream-shares must lie in (0, 1]")
     args.impl_list = [x.strip() for x in args.host_impls.split(",") if x.strip()]
     bad = set(args.impl_list) - {"fused", "foreach", "forloop"}
     if bad:
@@ -358,6 +373,17 @@ def side_by_side(
                 {"overlap_host_step_with_forward": True, "offload_last_layers": True, **extra},
             ),
         ]
+    for share in args.stream_share_list:
+        ours_variants.append(
+            (
+                f"ours, under forward, last layers offloaded, {share:g} streamed",
+                {
+                    "overlap_host_step_with_forward": True,
+                    "offload_last_layers": True,
+                    "stream_share": share,
+                },
+            )
+        )
     rows: list[dict[str, Any]] = []
     settings = [(0.0, True)] + [(f, o) for f in args.fraction_list for o in (True, False)]
     for fraction, overlap in settings:

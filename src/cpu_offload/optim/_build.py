@@ -27,6 +27,7 @@ from ._entries import (
 )
 from ._split import compute_offload_split
 from ._step import HybridStepper
+from ._stream import StateStream, mark_streamed
 
 __all__ = ["HybridBuilder", "remove_hooks"]
 
@@ -66,6 +67,7 @@ class HybridBuilder(HybridStepper):
     cpu_optimizer_cls: type[torch.optim.Optimizer]
     gpu_optimizer_cls: type[torch.optim.Optimizer]
     offload_last_layers: bool
+    stream_share: float
     is_device_param: Callable[[torch.Tensor], bool]
     sub_optimizer_kwargs: dict[str, Any]
     _factory: EntryFactory
@@ -124,6 +126,12 @@ class HybridBuilder(HybridStepper):
         self._h2d_stream = torch.cuda.Stream(self._cuda_device) if use_streams or late else None
 
         host_entries = self._host_order(entries)
+        streamed = mark_streamed(host_entries, self.stream_share)
+        self._lane = (
+            StateStream(self.cpu_optimizer_cls, self._cuda_device)
+            if streamed and self._cuda_device is not None
+            else None
+        )
         device_entries = [e for e in entries if not e.host]
         host_kwargs = side_kwargs(self.sub_optimizer_kwargs, self.cpu_optimizer_cls, "cpu")
         buckets = bucket_entries(

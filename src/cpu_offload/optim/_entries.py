@@ -98,6 +98,8 @@ class Entry:
     # True from an asynchronous step until a reader waited for this parameter; a
     # gradient accumulated meanwhile means it was read without waiting.
     unguarded: bool = False
+    # Stepped on the device with its host state streamed through it (``_stream``).
+    streamed: bool = False
 
     def note_param_written(self) -> None:
         """Record that ``inner`` and the parameter hold the same values now."""
@@ -171,13 +173,17 @@ def bucket_entries(host_entries: Sequence[Entry], bucketed: bool) -> list[list[E
     """Host entries in stepping order, cut into buckets of at least ``BUCKET_NUMEL``.
 
     A bucket never mixes offloaded entries with host parameters of the caller, so that
-    buckets of offloaded entries alone can be stepped after ``step()`` returned.
+    buckets of offloaded entries alone can be stepped after ``step()`` returned, nor
+    streamed entries with others (the stream lane steps whole buckets).
     Without ``bucketed``, one bucket per kind.
     """
     buckets: list[list[Entry]] = []
     numel = 0
     for entry in host_entries:
-        kind_changed = bool(buckets) and buckets[-1][-1].offloaded != entry.offloaded
+        last = buckets[-1][-1] if buckets else None
+        kind_changed = last is not None and (
+            last.offloaded != entry.offloaded or last.streamed != entry.streamed
+        )
         if not buckets or kind_changed or (bucketed and numel >= BUCKET_NUMEL):
             buckets.append([])
             numel = 0

@@ -248,6 +248,23 @@ class ForwardOverlap:
                     mark_pending(entry.param, self.wait, entry)
         self._future = self._executor.submit(self._run, list(subs), h2d)
 
+    def mark_queued(self, entries: Sequence[Entry]) -> None:
+        """Make readers of ``entries`` wait for their updates already queued on the device.
+
+        For entries stepped by the stream lane (``_stream``): their new values are
+        queued by the time ``step()`` returns, so ``landed`` is set at once and a reader
+        waits only for ``h2d_event`` on its stream.
+        """
+        with self._marks:
+            for entry in entries:
+                if entry.h2d_event is None:
+                    continue  # no gradient: not stepped
+                entry.landed = threading.Event()
+                entry.landed.set()
+                entry.unguarded = True
+                self._pending[id(entry.param)] = entry
+                mark_pending(entry.param, self.wait, entry)
+
     def _run(self, subs: list[Sub], h2d: torch.cuda.Stream | None) -> dict[str, float]:
         device = torch.cuda.device(self.cuda_device) if self.cuda_device is not None else None
         try:

@@ -21,6 +21,7 @@ from ._copies import send_grad, step_host_subs
 from ._entries import EarlyCopy, Entry, Sub
 from ._fingerprint import EarlyCopyChecks, fingerprint
 from ._forward_overlap import ForwardOverlap
+from ._stream import StateStream
 
 __all__ = ["HybridStepper"]
 
@@ -45,6 +46,7 @@ class HybridStepper(torch.optim.Optimizer):
     _d2h_stream: torch.cuda.Stream | None
     _h2d_stream: torch.cuda.Stream | None
     _overlap: ForwardOverlap | None
+    _lane: StateStream | None
 
     # Gradients smaller than this are copied in step(), not from backward: checking an
     # early copy costs a few kernel launches, more than copying a small gradient again.
@@ -65,6 +67,9 @@ class HybridStepper(torch.optim.Optimizer):
             return
         if self._overlap is not None:
             self._overlap.check_read(entry)
+        if entry.streamed:
+            return  # its gradient stays on the device
+        if self._overlap is not None:
             if not (self.overlap_cpu_optimizer_d2h_h2d and self._copies_early(entry)):
                 return
         grad = entry.param.grad
@@ -114,9 +119,13 @@ class HybridStepper(torch.optim.Optimizer):
         # also wait for the device optimizer.
         before_step = current.record_event() if current is not None else None
 
+        # Buckets of streamed entries are stepped by the stream lane, the rest by the host.
+        host_subs = [s for s in self._host_subs if not s.entries[0].streamed]
+        lane_subs = [s for s in self._host_subs if s.entries[0].streamed]
+
         # 1. Which early copies still hold the gradient: checks queued first, one per
         #    host bucket in stepping order ...
-        checks = EarlyCopyChecks([sub.entries for sub in self._host_subs])
+        checks = EarlyCopyChecks([sub.entries for sub in host_subs])
 
         # 2. ... while the device part is queued, to run on the device as the host works.
         #    Gradient copies on the current stream that need no check are queued before
@@ -124,7 +133,7 @@ class HybridStepper(torch.optim.Optimizer):
         #    backward before it could start stepping.
         copies_first = self._d2h_stream is None and checks.candidates == 0
         if copies_first:
-            self._take_grads(d2h, [e for sub in self._host_subs for e in sub.entries])
+            self._take_grads(d2h, [e for sub in host_subs for e in sub.entries])
         if self._device_sub is not None:
             self._step_device()
 
@@ -134,13 +143,18 @@ class HybridStepper(torch.optim.Optimizer):
         if self._d2h_stream is not None and before_step is not None:
             self._d2h_stream.wait_event(before_step)
         if not copies_first:
-            unchecked = [e for sub in self._host_subs for e in sub.entries if e.early is None]
+            unchecked = [e for sub in host_subs for e in sub.entries if e.early is None]
             self._take_grads(d2h, unchecked)
 
         # 4. Host buckets: wait for their gradients, step, copy back (pipelined).
         if self._h2d_stream is not None and before_step is not None:
             self._h2d_stream.wait_event(before_step)
-        now, later = self._host_subs, []
+        now, later = host_subs, []
+        streamed_numel = 0
+        if self._overlap is None and lane_subs:
+            # Queued before the host steps (which run here, in step()), to run beside them.
+            assert self._lane is not None and before_step is not None
+            streamed_numel = self._lane.queue(lane_subs, before_step)
         if self._overlap is not None:
             # Buckets of offloaded parameters are stepped after step() returns; the
             # caller's host parameters (whose .grad the host optimizer reads) now.
@@ -151,7 +165,12 @@ class HybridStepper(torch.optim.Optimizer):
             host_timings = step_host_subs(now, h2d)
             assert self._overlap is not None
             self._overlap.submit(later, h2d)
-        else:
+        if self._overlap is not None and lane_subs:
+            # Queued after the host lane has its work: the queueing takes host time.
+            assert self._lane is not None and before_step is not None
+            streamed_numel = self._lane.queue(lane_subs, before_step)
+            self._overlap.mark_queued([e for sub in lane_subs for e in sub.entries])
+        if not later:
 
             def settle(index: int) -> None:
                 self._take_grads(d2h, checks.settle(index))
@@ -160,10 +179,14 @@ class HybridStepper(torch.optim.Optimizer):
             if self._h2d_stream is not None and current is not None:
                 # Whatever the caller queues next on the current stream sees the new values.
                 current.wait_stream(self._h2d_stream)
+            if self._overlap is None and self._lane is not None and current is not None:
+                # The streamed parameters' new values, as for the copies back above.
+                current.wait_stream(self._lane.compute)
         self.last_step_timings = {
             "step_s": time.perf_counter() - t_start,
             **host_timings,
             "host_numel": float(sum(e.param.numel() for e in self._entries if e.host)),
+            "streamed_numel": float(streamed_numel),
             "early_copies": float(checks.made),
             "early_copies_reused": float(checks.kept),
         }
