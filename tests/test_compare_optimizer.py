@@ -235,6 +235,15 @@ def test_default_variants():
             ],
             ["0 (no offload)", "1, overlap on, host step under forward, last layers"],
         ),
+        (
+            [
+                "optimizer.optimizer_offload_fraction=1.0",
+                "optimizer.overlap_cpu_optimizer_d2h_h2d=true",
+                "optimizer.overlap_host_step_with_forward=true",
+                "optimizer.stream_share=0.5",
+            ],
+            ["0 (no offload)", "1, overlap on, host step under forward, 0.5 streamed"],
+        ),
     ],
 )
 def test_optimizer_overrides_narrow_the_default_set(overrides, names):
@@ -411,6 +420,11 @@ def test_variant_and_config_validation():
         OptimizerVariant(1.5)
     with pytest.raises(TypeError, match="overlap must be a bool"):
         OptimizerVariant(0.5, overlap=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"stream_share must be in \[0.0, 1.0\]"):
+        OptimizerVariant(0.5, stream_share=-0.5)
+    with pytest.raises(TypeError, match="stream_share must be a number"):
+        OptimizerVariant(0.5, stream_share=True)  # type: ignore[arg-type]
+    assert OptimizerVariant(0.5, stream_share=0.25).name == "0.5, overlap on, 0.25 streamed"
     with pytest.raises(ValueError, match="at least one"):
         OptimizerCompareConfig(variants=())
     with pytest.raises(ValueError, match="device must be 'cuda' or 'cpu'"):

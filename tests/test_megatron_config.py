@@ -71,6 +71,7 @@ def test_optimizer_fields_and_defaults_are_megatrons() -> None:
         # Ours, beyond Megatron's fields: off by default, as Megatron behaves.
         "overlap_host_step_with_forward": False,
         "offload_last_layers": False,
+        "stream_share": 0.0,
     }
 
 
@@ -494,6 +495,28 @@ def test_build_hybrid_optimizer_with_our_schedule_options() -> None:
         build_optimizer(_params(), cfg, lr=1e-3, offload_last_layers=False)
     with pytest.raises(TypeError, match="overlap_host_step_with_forward must be a bool"):
         OptimizerOffloadConfig(overlap_host_step_with_forward="yes")  # type: ignore[arg-type]
+
+
+def test_stream_share_field_reaches_the_optimizer_and_is_checked() -> None:
+    cfg = OptimizerOffloadConfig(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0)
+    assert build_optimizer(_params(), cfg, lr=1e-3).stream_share == 0.0  # type: ignore[attr-defined]
+    # The CPU stand-in has no CUDA parameter to stream: the optimizer says so.
+    with pytest.raises(ValueError, match="stream_share=0.5 streams the state"):
+        build_optimizer(
+            [torch.nn.Parameter(torch.randn(4, 4))],
+            dataclasses.replace(cfg, stream_share=0.5),
+            lr=1e-3,
+            is_device_param=lambda p: True,
+        )
+    with pytest.raises(TypeError, match="OptimizerOffloadConfig.stream_share"):
+        build_optimizer(_params(), cfg, lr=1e-3, stream_share=0.5)
+    with pytest.raises(ValueError, match=r"stream_share must be in \[0.0, 1.0\]"):
+        OptimizerOffloadConfig(stream_share=1.5)
+    with pytest.raises(TypeError, match="stream_share"):
+        OptimizerOffloadConfig(stream_share="half")  # type: ignore[arg-type]
+    # Megatron Bridge-style containers carry it like any other field.
+    read = OptimizerOffloadConfig.from_object({"optimizer_cpu_offload": True, "stream_share": 0.5})
+    assert read.stream_share == 0.5
 
 
 def test_build_from_bridge_container_and_unknown_optimizer() -> None:

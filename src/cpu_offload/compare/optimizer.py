@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import math
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,16 +59,19 @@ class OptimizerVariant:
             the next forward (no effect at fraction 0).
         last_layers: ``offload_last_layers``: the fraction is taken from the end of the
             parameter list (no effect at fraction 0).
+        stream_share: ``stream_share``: this share of the offloaded state is stepped on
+            the GPU, streamed from host memory (no effect at fraction 0).
 
     Raises:
-        TypeError, ValueError: If ``offload_fraction`` is not a number in ``[0, 1]`` or
-            a flag is not a bool.
+        TypeError, ValueError: If ``offload_fraction`` or ``stream_share`` is not a
+            number in ``[0, 1]`` or a flag is not a bool.
     """
 
     offload_fraction: float
     overlap: bool = True
     under_forward: bool = False
     last_layers: bool = False
+    stream_share: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "offload_fraction", check_offload_fraction(self.offload_fraction))
@@ -75,11 +79,17 @@ class OptimizerVariant:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+        share = self.stream_share
+        if isinstance(share, bool) or not isinstance(share, (int, float)):
+            raise TypeError(f"stream_share must be a number, got {type(share).__name__}")
+        if math.isnan(share) or not 0.0 <= share <= 1.0:
+            raise ValueError(f"stream_share must be in [0.0, 1.0], got {share}")
 
     @property
     def name(self) -> str:
         """The row label: ``"0 (no offload)"`` or e.g. ``"0.25, overlap on"``, with
-        ``", host step under forward"`` and ``", last layers"`` where they are on."""
+        ``", host step under forward"``, ``", last layers"`` and e.g. ``", 0.5 streamed"``
+        where they are on."""
         if self.offload_fraction == 0.0:
             return "0 (no offload)"
         label = f"{self.offload_fraction:g}, overlap {'on' if self.overlap else 'off'}"
@@ -87,6 +97,8 @@ class OptimizerVariant:
             label += ", host step under forward"
         if self.last_layers:
             label += ", last layers"
+        if self.stream_share > 0.0:
+            label += f", {self.stream_share:g} streamed"
         return label
 
 
@@ -147,9 +159,9 @@ class OptimizerCompareConfig:
         they set narrows it to that value: ``optimizer_offload_fraction=0.5`` runs 0.5
         with overlap on and off, adding ``overlap_cpu_optimizer_d2h_h2d=true`` runs only
         0.5 with overlap on; a fraction of 0 runs no offloaded configuration. The run
-        without offloading is always first. ``overlap_host_step_with_forward`` and
-        ``offload_last_layers`` (ours, not Megatron's) apply to every offloaded
-        configuration when set. ``optimizer``, ``pin_cpu_grads`` and
+        without offloading is always first. ``overlap_host_step_with_forward``,
+        ``offload_last_layers`` and ``stream_share`` (ours, not Megatron's) apply to every
+        offloaded configuration when set. ``optimizer``, ``pin_cpu_grads`` and
         ``pin_cpu_params`` are taken as they are; ``optimizer_cpu_offload`` is the
         caller's to honour (this section compares offloaded configurations).
 
@@ -168,13 +180,18 @@ class OptimizerCompareConfig:
             overlaps: tuple[bool, ...] = (config.overlap_cpu_optimizer_d2h_h2d,)
         else:
             overlaps = (True, False)
-        extra = {
-            "under_forward": config.overlap_host_step_with_forward,
-            "last_layers": config.offload_last_layers,
-        }
         variants = [OptimizerVariant(0.0, overlaps[0])]
         variants += [
-            OptimizerVariant(f, o, **extra) for f in fractions if f > 0.0 for o in overlaps
+            OptimizerVariant(
+                f,
+                o,
+                under_forward=config.overlap_host_step_with_forward,
+                last_layers=config.offload_last_layers,
+                stream_share=config.stream_share,
+            )
+            for f in fractions
+            if f > 0.0
+            for o in overlaps
         ]
         return cls(
             variants=tuple(variants),
@@ -381,6 +398,7 @@ class _Trainer:
                 overlap_cpu_optimizer_d2h_h2d=variant.overlap,
                 overlap_host_step_with_forward=variant.under_forward,
                 offload_last_layers=variant.last_layers,
+                stream_share=variant.stream_share,
                 param_update_in_fp32=self.config.param_update_in_fp32,
                 steps=steps,
                 warmup=warmup,

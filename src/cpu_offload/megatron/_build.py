@@ -133,7 +133,7 @@ def build_optimizer(
     if not cfg.optimizer_cpu_offload:
         return cls(params, **defaults)
     param_update_in_fp32 = defaults.pop("param_update_in_fp32", True)
-    for name in ("overlap_host_step_with_forward", "offload_last_layers"):
+    for name in ("overlap_host_step_with_forward", "offload_last_layers", "stream_share"):
         if name in defaults:
             raise TypeError(
                 f"build_optimizer: {name} comes from the config "
@@ -150,5 +150,6 @@ def build_optimizer(
         overlap_cpu_optimizer_d2h_h2d=cfg.overlap_cpu_optimizer_d2h_h2d,
         overlap_host_step_with_forward=cfg.overlap_host_step_with_forward,
         offload_last_layers=cfg.offload_last_layers,
+        stream_share=cfg.stream_share,
         **defaults,
     )

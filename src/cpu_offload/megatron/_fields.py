@@ -174,10 +174,14 @@ class OptimizerOffloadConfig:
             parameters are updated and every read of one waits for it).
         offload_last_layers: Not Megatron's: offload the fraction from the end of the
             parameter list instead of its start (the option of that name).
+        stream_share: Not Megatron's: the share of the offloaded state stepped on the
+            GPU, streamed from host memory during the step (the option of that name;
+            AdamW only; bit-identical to stepping those parameters on the GPU).
 
     Raises:
         TypeError: A field has the wrong type.
-        ValueError: ``optimizer_offload_fraction`` is outside ``[0.0, 1.0]``.
+        ValueError: ``optimizer_offload_fraction`` or ``stream_share`` is outside
+            ``[0.0, 1.0]``.
 
     Example:
         >>> OptimizerOffloadConfig(optimizer_cpu_offload=True,
@@ -194,6 +198,7 @@ class OptimizerOffloadConfig:
     optimizer: str = "adam"
     overlap_host_step_with_forward: bool = False
     offload_last_layers: bool = False
+    stream_share: float = 0.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -203,12 +208,16 @@ class OptimizerOffloadConfig:
 
         Raises:
             TypeError: A field has the wrong type.
-            ValueError: ``optimizer_offload_fraction`` is outside ``[0.0, 1.0]``.
+            ValueError: ``optimizer_offload_fraction`` or ``stream_share`` is outside
+                ``[0.0, 1.0]``.
         """
         _check_types(self)
         fraction = self.optimizer_offload_fraction
         if math.isnan(fraction) or not 0.0 <= fraction <= 1.0:
             raise ValueError(f"optimizer_offload_fraction must be in [0.0, 1.0], got {fraction}")
+        share = self.stream_share
+        if math.isnan(share) or not 0.0 <= share <= 1.0:
+            raise ValueError(f"stream_share must be in [0.0, 1.0], got {share}")
 
     @classmethod
     def from_object(cls, cfg: Any) -> OptimizerOffloadConfig:

@@ -17,7 +17,8 @@ same constructor, split and state-dict contract, with a faster data path:
 The pieces: ``_entries`` (what steps each parameter), ``_copies`` (the host <-> device
 copies of one entry), ``_fingerprint`` (checks of early gradient copies), ``_checkpoint``
 (state dicts), ``_step`` (the data path of one step, base class ``HybridStepper``) and
-``_build`` (the layout built from the split, base class ``HybridBuilder``); this module
+``_build`` (the layout built from the split, base class ``HybridBuilder``), ``_stream``
+(the share of the offloaded state stepped on the GPU, ``stream_share``); this module
 holds the public class: its options, constructor and public methods.
 """
 
