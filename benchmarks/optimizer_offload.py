@@ -155,25 +155,26 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     for name in ("hidden", "blocks", "tokens", "steps", "rounds"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1")
-    try:
-        args.fraction_list = [float(x) for x in args.fractions.split(",") if x.strip()]
-    except ValueError:
-        parser.error(f"--fractions must be comma-separated numbers, got {args.fractions!r}")
-    if any(not 0.0 < f <= 1.0 for f in args.fraction_list):
-        parser.error("--fractions must lie in (0, 1]")
+    args.fraction_list = _shares(parser, "--fractions", args.fractions)
     if args.peer is not None and not args.peer.exists():
         parser.error(f"--peer: {args.peer} does not exist (Megatron-LM's hybrid_optimizer.py)")
-    try:
-        args.stream_share_list = [float(x) for x in args.stream_shares.split(",") if x.strip()]
-    except ValueError:
-        parser.error(f"--stream-shares must be comma-separated numbers, got {args.stream_shares!r}")
-    if any(not 0.0 < s <= 1.0 for s in args.stream_share_list):
-        parser.error("--stream-shares must lie in (0, 1]")
+    args.stream_share_list = _shares(parser, "--stream-shares", args.stream_shares)
     args.impl_list = [x.strip() for x in args.host_impls.split(",") if x.strip()]
     bad = set(args.impl_list) - {"fused", "foreach", "forloop"}
     if bad:
         parser.error(f"--host-impls: unknown {sorted(bad)}; allowed fused, foreach, forloop")
     return args
+
+
+def _shares(parser: argparse.ArgumentParser, flag: str, text: str) -> list[float]:
+    """Comma-separated numbers in (0, 1] (a parser error naming ``flag`` otherwise)."""
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        parser.error(f"{flag} must be comma-separated numbers, got {text!r}")
+    if any(not 0.0 < v <= 1.0 for v in values):
+        parser.error(f"{flag} must lie in (0, 1]")
+    return values
 
 
 def _row(

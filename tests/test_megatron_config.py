@@ -501,7 +501,7 @@ def test_stream_share_field_reaches_the_optimizer_and_is_checked() -> None:
     cfg = OptimizerOffloadConfig(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0)
     assert build_optimizer(_params(), cfg, lr=1e-3).stream_share == 0.0  # type: ignore[attr-defined]
     # The CPU stand-in has no CUDA parameter to stream: the optimizer says so.
-    with pytest.raises(ValueError, match="stream_share=0.5 streams the state"):
+    with pytest.raises(ValueError, match="stream_share=0.5 streams the fp32 state"):
         build_optimizer(
             [torch.nn.Parameter(torch.randn(4, 4))],
             dataclasses.replace(cfg, stream_share=0.5),
@@ -514,6 +514,8 @@ def test_stream_share_field_reaches_the_optimizer_and_is_checked() -> None:
         OptimizerOffloadConfig(stream_share=1.5)
     with pytest.raises(TypeError, match="stream_share"):
         OptimizerOffloadConfig(stream_share="half")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="optimizer='sgd' has no such path"):
+        OptimizerOffloadConfig(optimizer="sgd", stream_share=0.5)
     # Megatron Bridge-style containers carry it like any other field.
     read = OptimizerOffloadConfig.from_object({"optimizer_cpu_offload": True, "stream_share": 0.5})
     assert read.stream_share == 0.5

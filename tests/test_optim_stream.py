@@ -21,7 +21,7 @@ def _params() -> list[torch.nn.Parameter]:
 
 @pytest.mark.parametrize("value", [-0.1, 1.5, float("nan")])
 def test_share_outside_the_range_is_refused(value: float) -> None:
-    with pytest.raises(ValueError, match=r"stream_share must lie in \[0.0, 1.0\]"):
+    with pytest.raises(ValueError, match=r"stream_share must be in \[0.0, 1.0\]"):
         HybridDeviceOptimizer(_params(), offload_fraction=1.0, stream_share=value, **STAND_IN)
 
 
@@ -49,7 +49,9 @@ def test_share_needs_a_streamable_host_class() -> None:
 
 
 def test_share_needs_offloaded_cuda_parameters() -> None:
-    with pytest.raises(ValueError, match="no offloaded parameter is a contiguous CUDA tensor"):
+    with pytest.raises(
+        ValueError, match="no offloaded parameter is a contiguous CUDA tensor with a fp32 host copy"
+    ):
         HybridDeviceOptimizer(_params(), offload_fraction=1.0, stream_share=0.5, **STAND_IN)
 
 

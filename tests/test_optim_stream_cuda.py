@@ -28,12 +28,12 @@ WIDTH = 128
 LAYERS = 4
 
 
-def _model(seed: int = 0) -> torch.nn.Sequential:
+def _model(seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Sequential:
     torch.manual_seed(seed)
     blocks: list[torch.nn.Module] = []
     for _ in range(LAYERS):
         blocks += [torch.nn.Linear(WIDTH, WIDTH, bias=False), torch.nn.GELU()]
-    return torch.nn.Sequential(*blocks).to(device="cuda", dtype=torch.bfloat16)
+    return torch.nn.Sequential(*blocks).to(device="cuda", dtype=dtype)
 
 
 def _groups(model: torch.nn.Module) -> list[dict[str, Any]]:
@@ -44,15 +44,13 @@ def _groups(model: torch.nn.Module) -> list[dict[str, Any]]:
     ]
 
 
-def _optimizer(model: torch.nn.Module, **kwargs: Any) -> HybridDeviceOptimizer:
+def _optimizer(
+    model: torch.nn.Module, cls: type[torch.optim.Optimizer] = torch.optim.AdamW, **kwargs: Any
+) -> HybridDeviceOptimizer:
+    options: dict[str, Any] = {"param_update_in_fp32": True, "lr": 1e-3, "weight_decay": 0.01}
+    options.update(kwargs)
     return HybridDeviceOptimizer(
-        _groups(model),
-        cpu_optimizer_cls=torch.optim.AdamW,
-        gpu_optimizer_cls=torch.optim.AdamW,
-        param_update_in_fp32=True,
-        lr=1e-3,
-        weight_decay=0.01,
-        **kwargs,
+        _groups(model), cpu_optimizer_cls=cls, gpu_optimizer_cls=cls, **options
     )
 
 
@@ -68,6 +66,7 @@ def _train(
     steps: int,
     start: int = 0,
     set_to_none: bool = True,
+    before_step: Any = None,
 ) -> list[torch.Tensor]:
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     for _ in range(start):
@@ -79,6 +78,8 @@ def _train(
             loss.backward()
             losses.append(loss.detach())
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        if before_step is not None:
+            before_step(model)
         opt.step()
         opt.zero_grad(set_to_none=set_to_none)
         scheduler.step()
@@ -164,12 +165,20 @@ def test_resume_from_state_dict_is_exact(deterministic: None) -> None:
     _assert_equal(resumed, whole)
 
 
-def test_read_between_step_and_forward_sees_the_update(deterministic: None) -> None:
+def _fully_streamed_under_forward() -> tuple[
+    torch.nn.Sequential, HybridDeviceOptimizer, torch.nn.Sequential, HybridDeviceOptimizer
+]:
+    """A model stepped on the device, and its twin with every parameter streamed."""
     reference, streamed = _model(), _model()
     ref_opt = _optimizer(reference, offload_fraction=0.0)
     opt = _optimizer(
         streamed, offload_fraction=1.0, stream_share=1.0, overlap_host_step_with_forward=True
     )
+    return reference, ref_opt, streamed, opt
+
+
+def test_read_between_step_and_forward_sees_the_update(deterministic: None) -> None:
+    reference, ref_opt, streamed, opt = _fully_streamed_under_forward()
     _train(reference, ref_opt, 2)
     _train(streamed, opt, 2)
     for model, optimizer in ((reference, ref_opt), (streamed, opt)):
@@ -187,39 +196,97 @@ def test_read_between_step_and_forward_sees_the_update(deterministic: None) -> N
 
 
 def test_zero_grad_in_place_waits_for_the_lane(deterministic: None) -> None:
-    reference, streamed = _model(), _model()
-    ref_opt = _optimizer(reference, offload_fraction=0.0)
-    opt = _optimizer(
-        streamed, offload_fraction=1.0, stream_share=1.0, overlap_host_step_with_forward=True
-    )
+    reference, ref_opt, streamed, opt = _fully_streamed_under_forward()
     _train(reference, ref_opt, 6, set_to_none=False)
     _train(streamed, opt, 6, set_to_none=False)
     _assert_equal(streamed, reference)
 
 
-def test_busy_caller_stream_does_not_corrupt_the_lane(
-    deterministic: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # Keep the caller's stream busy while the lane queues, so that the lane's compute
-    # stream (which waits for the caller before its first chunk) runs late: work the lane
-    # queued on the caller's stream, or allocation work on compute (deterministic mode
-    # fills new memory with NaN) behind the first copies into a slot, would then land on
-    # top of data already copied. The results must hold.
-    caller = torch.cuda.current_stream()
-    original = stream_module.StateStream._proxy
+def _sleep_on(stream: torch.cuda.Stream) -> None:
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(4_000_000)  # a few ms of GPU time
 
-    def busy_caller(self: Any, *args: Any) -> Any:
-        with torch.cuda.stream(caller):
-            torch.cuda._sleep(2_000_000)
+
+@pytest.mark.parametrize("contiguous_grads", [True, False])
+def test_busy_caller_stream_does_not_corrupt_the_lane(
+    deterministic: None, monkeypatch: pytest.MonkeyPatch, contiguous_grads: bool
+) -> None:
+    # The caller's stream is kept busy before step() (so the lane's compute stream, which
+    # waits for it, starts late while its copies in run ahead) and while the lane
+    # queues (so that lane work queued on the caller's stream would run late): work
+    # that the allocation of a slot queues on compute (deterministic mode fills new
+    # memory with NaN) landing on top of a finished copy in, a step count made on the
+    # caller's stream, or a non-contiguous gradient made contiguous on the caller's
+    # stream after the point compute waits for, would corrupt the results.
+    caller = torch.cuda.current_stream()
+    original = stream_module.StateStream._host_state
+
+    def busy_host_state(self: Any, *args: Any) -> Any:
+        _sleep_on(caller)
         return original(self, *args)
 
-    monkeypatch.setattr(stream_module.StateStream, "_proxy", busy_caller)
+    def before_step(model: torch.nn.Module) -> None:
+        _sleep_on(caller)
+        if not contiguous_grads:
+            for p in model.parameters():
+                assert p.grad is not None
+                p.grad = p.grad.t().contiguous().t()  # the same values, transposed strides
+                assert not p.grad.is_contiguous()
+
+    monkeypatch.setattr(stream_module.StateStream, "_host_state", busy_host_state)
     monkeypatch.setattr(stream_module, "CHUNK_NUMEL", 4096)
+    reference, ref_opt, streamed, opt = _fully_streamed_under_forward()
+    _train(reference, ref_opt, 4)
+    _train(streamed, opt, 4, before_step=before_step)
+    _assert_equal(streamed, reference)
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs"),
+    [
+        (torch.optim.AdamW, {}),
+        (torch.optim.Adam, {"amsgrad": True, "maximize": True, "weight_decay": 0.0}),
+    ],
+    ids=["adamw", "adam-amsgrad-maximize"],
+)
+def test_fp32_parameters_unpinned_host_copies(
+    deterministic: None, cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]
+) -> None:
+    # fp32 parameters (the host copy is the state's own fp32), pin_cpu_params=False (the
+    # streamed host copies are pinned anyway), Adam's amsgrad and maximize.
+    reference, streamed = _model(dtype=torch.float32), _model(dtype=torch.float32)
+    ref_opt = _optimizer(reference, cls, offload_fraction=0.0, **kwargs)
+    opt = _optimizer(
+        streamed, cls, offload_fraction=1.0, stream_share=1.0, pin_cpu_params=False, **kwargs
+    )
+    assert all(e.inner.is_pinned() for e in opt._entries if e.streamed)
+    _train(reference, ref_opt, 6)
+    _train(streamed, opt, 6)
+    assert opt.last_step_timings["streamed_numel"] == LAYERS * WIDTH * WIDTH
+    assert opt.last_step_timings["host_numel"] == 0
+    _assert_equal(streamed, reference)
+
+
+def test_state_is_whole_when_step_returns(deterministic: None) -> None:
+    # Without the host step under the next forward, step() returns with every
+    # parameter and the whole state updated, streamed or not: a reader of opt.state
+    # right after step() sees this step's moments.
     reference, streamed = _model(), _model()
     ref_opt = _optimizer(reference, offload_fraction=0.0)
-    opt = _optimizer(
-        streamed, offload_fraction=1.0, stream_share=1.0, overlap_host_step_with_forward=True
-    )
-    _train(reference, ref_opt, 4)
-    _train(streamed, opt, 4)
-    _assert_equal(streamed, reference)
+    opt = _optimizer(streamed, offload_fraction=1.0, stream_share=1.0)
+    caller = torch.cuda.current_stream()
+    for model, optimizer in ((reference, ref_opt), (streamed, opt)):
+        _loss(model, 0, 0).backward()
+        _sleep_on(caller)  # the lane's compute waits for this before it starts
+        optimizer.step()
+    for p_ref, p in zip(reference.parameters(), streamed.parameters(), strict=True):
+        moments = opt.state[p]
+        assert not moments["exp_avg"].is_cuda
+        assert torch.equal(moments["exp_avg"], ref_opt.state[p_ref]["exp_avg"].cpu())
+        assert torch.equal(moments["master_param"], ref_opt.state[p_ref]["master_param"].cpu())
+
+
+def test_lower_precision_host_copies_are_refused_at_construction() -> None:
+    # bf16 parameters without fp32 masters have bf16 host copies: nothing to stream.
+    with pytest.raises(ValueError, match=r"stream_share=0.5 .*param_update_in_fp32=True"):
+        _optimizer(_model(), offload_fraction=1.0, stream_share=0.5, param_update_in_fp32=False)

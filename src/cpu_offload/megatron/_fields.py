@@ -218,6 +218,12 @@ class OptimizerOffloadConfig:
         share = self.stream_share
         if math.isnan(share) or not 0.0 <= share <= 1.0:
             raise ValueError(f"stream_share must be in [0.0, 1.0], got {share}")
+        if share > 0.0 and self.optimizer != "adam":
+            raise ValueError(
+                f"stream_share={share} streams AdamW's state through the GPU; "
+                f"optimizer={self.optimizer!r} has no such path: use optimizer='adam' or "
+                "stream_share=0.0"
+            )
 
     @classmethod
     def from_object(cls, cfg: Any) -> OptimizerOffloadConfig:

@@ -143,8 +143,10 @@ class HybridDeviceOptimizer(HybridBuilder):
       two lanes together finish sooner than the host alone. The streamed parameters are
       stepped by ``cpu_optimizer_cls``'s fused CUDA kernel (``torch.optim.Adam`` or
       ``AdamW`` only; fp32 state, so ``param_update_in_fp32`` for lower-precision
-      parameters): bit-identical to stepping them on the device, not to the host
-      kernel. Their gradients never leave the GPU; ``step()`` semantics are unchanged.
+      parameters): bit-identical to stepping them on the device with that fused kernel,
+      not to the host kernel. Their gradients never leave the GPU; ``step()``
+      semantics are unchanged (with ``overlap_host_step_with_forward``, the streamed
+      state, like the host-stepped one, is whole after :meth:`synchronize`).
 
     Without a host fp32 master, gradients and parameters always travel in their own dtype.
 

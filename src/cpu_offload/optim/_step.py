@@ -153,8 +153,12 @@ class HybridStepper(torch.optim.Optimizer):
         streamed_numel = 0
         if self._overlap is None and lane_subs:
             # Queued before the host steps (which run here, in step()), to run beside them.
-            assert self._lane is not None and before_step is not None
-            streamed_numel = self._lane.queue(lane_subs, before_step)
+            assert self._lane is not None and before_step is not None and current is not None
+            try:
+                streamed_numel = self._lane.queue(lane_subs, before_step)
+            finally:
+                # Whatever the caller queues next on the current stream sees the new values.
+                current.wait_stream(self._lane.compute)
         if self._overlap is not None:
             # Buckets of offloaded parameters are stepped after step() returns; the
             # caller's host parameters (whose .grad the host optimizer reads) now.
@@ -168,8 +172,11 @@ class HybridStepper(torch.optim.Optimizer):
         if self._overlap is not None and lane_subs:
             # Queued after the host lane has its work: the queueing takes host time.
             assert self._lane is not None and before_step is not None
-            streamed_numel = self._lane.queue(lane_subs, before_step)
-            self._overlap.mark_queued([e for sub in lane_subs for e in sub.entries])
+            try:
+                streamed_numel = self._lane.queue(lane_subs, before_step)
+            finally:
+                # Readers wait for whatever was queued, also after a failure part-way.
+                self._overlap.mark_queued([e for sub in lane_subs for e in sub.entries])
         if not later:
 
             def settle(index: int) -> None:
@@ -179,13 +186,15 @@ class HybridStepper(torch.optim.Optimizer):
             if self._h2d_stream is not None and current is not None:
                 # Whatever the caller queues next on the current stream sees the new values.
                 current.wait_stream(self._h2d_stream)
-            if self._overlap is None and self._lane is not None and current is not None:
-                # The streamed parameters' new values, as for the copies back above.
-                current.wait_stream(self._lane.compute)
+            if self._overlap is None and self._lane is not None:
+                # The host state whole when step() returns, as the host lane's is.
+                self._lane.wait()
         self.last_step_timings = {
             "step_s": time.perf_counter() - t_start,
             **host_timings,
-            "host_numel": float(sum(e.param.numel() for e in self._entries if e.host)),
+            "host_numel": float(
+                sum(e.param.numel() for e in self._entries if e.host and not e.streamed)
+            ),
             "streamed_numel": float(streamed_numel),
             "early_copies": float(checks.made),
             "early_copies_reused": float(checks.kept),

@@ -13,7 +13,7 @@ the host steps the rest, and both lanes finish sooner than the host would alone:
 host lane is bound by host memory, the stream lane by PCIe (12 bytes each way per
 element), and they share only the host memory. The state still lives in host memory
 between steps; the device holds it only in a ring of ``RING`` chunk-sized buffers during
-the step.
+the step (the caching allocator keeps that memory reserved for the next step).
 
 Per chunk of at most ``CHUNK_NUMEL`` elements of one parameter, through a ring slot:
 
@@ -42,6 +42,8 @@ that, whatever the chunking.
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,6 +58,9 @@ __all__ = ["STREAMABLE_CLASSES", "StateStream", "check_stream_share", "mark_stre
 #: kernel, and a state of a step count and tensors shaped like the parameter.
 STREAMABLE_CLASSES: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Adam, torch.optim.AdamW)
 
+#: The state tensors streamed per element (the step count stays on the host).
+MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
 CHUNK_NUMEL = 1 << 23  # elements per chunk: 128 MiB of device buffers per ring slot (AdamW)
 RING = 3  # slots: one copied in, one stepped, one copied out
 
@@ -65,11 +70,11 @@ def check_stream_share(value: Any, cpu_optimizer_cls: type[torch.optim.Optimizer
 
     A positive share also needs a host optimizer class from :data:`STREAMABLE_CLASSES`.
     """
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"stream_share must be a number in [0.0, 1.0], got {value!r}")
     share = float(value)
-    if not 0.0 <= share <= 1.0:
-        raise ValueError(f"stream_share must lie in [0.0, 1.0], got {value!r}")
+    if math.isnan(share) or not 0.0 <= share <= 1.0:
+        raise ValueError(f"stream_share must be in [0.0, 1.0], got {value!r}")
     if share > 0.0 and cpu_optimizer_cls not in STREAMABLE_CLASSES:
         allowed = ", ".join(f"torch.optim.{c.__name__}" for c in STREAMABLE_CLASSES)
         raise ValueError(
@@ -84,30 +89,39 @@ def check_stream_share(value: Any, cpu_optimizer_cls: type[torch.optim.Optimizer
 def mark_streamed(host_entries: Sequence[Entry], share: float) -> list[Entry]:
     """Mark the first ``share`` of the offloaded elements, in stepping order, as streamed.
 
-    Walking ``host_entries`` in order, an offloaded CUDA parameter with contiguous storage
-    is streamed while the streamed elements are below ``share`` of all offloaded
-    elements (the rule of ``offload_fraction``). The first ones in stepping order are the
-    ones the next forward reads first: the stream lane starts at once (the gradients are
-    on the device), the host lane only once its first gradient has crossed.
+    Walking ``host_entries`` in order, an offloaded contiguous CUDA parameter whose host
+    copy is fp32 (a fp32 parameter, or a fp32 master) is streamed while the streamed
+    elements are below ``share`` of all offloaded elements (the rule of
+    ``offload_fraction``); the others stay with the host. The first ones in stepping
+    order are the ones the next forward reads first: the stream lane starts at once (the
+    gradients are on the device), the host lane only once its first gradient has
+    crossed. A streamed entry's host copy is pinned (its copies are asynchronous), and
+    the host-lane buffers it does not use are dropped.
 
     Returns:
         The streamed entries.
 
     Raises:
-        ValueError: If ``share`` is positive and offloaded parameters exist but none is
-            a CUDA parameter.
+        ValueError: If ``share`` is positive and offloaded parameters exist but none can
+            be streamed.
     """
     offloaded = [e for e in host_entries if e.offloaded]
     for entry in host_entries:
         entry.streamed = False
     if share <= 0.0 or not offloaded:
         return []
-    eligible = [e for e in offloaded if e.param.is_cuda and e.param.is_contiguous()]
+    eligible = [
+        e
+        for e in offloaded
+        if e.param.is_cuda and e.param.is_contiguous() and e.inner.dtype == torch.float32
+    ]
     if not eligible:
+        dtypes = sorted({str(e.inner.dtype) for e in offloaded})
         raise ValueError(
-            f"stream_share={share} streams the state of offloaded CUDA parameters through "
-            "their GPU, but no offloaded parameter is a contiguous CUDA tensor; set "
-            "stream_share=0.0"
+            f"stream_share={share} streams the fp32 state of offloaded CUDA parameters "
+            "through their GPU, but no offloaded parameter is a contiguous CUDA tensor "
+            f"with a fp32 host copy (host copies: {', '.join(dtypes)}; lower-precision "
+            "parameters need param_update_in_fp32=True); set stream_share=0.0"
         )
     target = share * sum(e.param.numel() for e in offloaded)
     streamed: list[Entry] = []
@@ -116,6 +130,10 @@ def mark_streamed(host_entries: Sequence[Entry], share: float) -> list[Entry]:
         if count >= target:
             break
         entry.streamed = True
+        if not entry.inner.is_pinned():
+            # Before any sub-optimizer holds it: make_sub and install_state come after.
+            entry.inner = entry.inner.pin_memory()
+        entry.grad_buf = entry.host_grad = entry.stage = None
         streamed.append(entry)
         count += entry.param.numel()
     return streamed
@@ -178,6 +196,20 @@ class StateStream:
             # The last step's state must be back on the host before it is read again.
             self.copy_in.wait_event(self.state_ready)
         slots = self._slots(work)
+        try:
+            return self._queue_work(work, slots)
+        finally:
+            # Also after a failure part-way: what was queued is waited for by readers.
+            self.state_ready = self.copy_out.record_event()
+            for slot in slots:
+                for buf in (slot.master, slot.grad, *slot.moments.values()):
+                    # Freed when the last stream that uses it is done with it.
+                    buf.record_stream(self.compute)
+                    buf.record_stream(self.copy_out)
+
+    def _queue_work(
+        self, work: Sequence[tuple[Sub, dict[str, Any], Entry]], slots: list[_Slot]
+    ) -> int:
         index = 0
         numel = 0
         for sub, group, entry in work:
@@ -186,9 +218,12 @@ class StateStream:
             step = float(state["step"])
             grad = entry.param.grad
             assert grad is not None
-            if not grad.is_contiguous():
-                grad = grad.contiguous()
             grad.record_stream(self.compute)
+            if not grad.is_contiguous():
+                # On compute, after everything before step(): on the caller's stream the
+                # copy would come after the point compute waits for.
+                with torch.cuda.stream(self.compute):
+                    grad = grad.contiguous()
             flat = {
                 "param": entry.param.detach().view(-1),
                 "grad": grad.detach().view(-1),
@@ -204,12 +239,6 @@ class StateStream:
             entry.note_param_written()
             state["step"].fill_(step + 1)
             numel += total
-        self.state_ready = self.copy_out.record_event()
-        for slot in slots:
-            for buf in (slot.master, slot.grad, *slot.moments.values()):
-                # Freed when the last stream that uses it is done with it.
-                buf.record_stream(self.compute)
-                buf.record_stream(self.copy_out)
         return numel
 
     # ------------------------------------------------------------------ pieces
@@ -217,7 +246,7 @@ class StateStream:
     def _slots(self, work: Sequence[tuple[Sub, dict[str, Any], Entry]]) -> list[_Slot]:
         longest = min(CHUNK_NUMEL, max(e.param.numel() for _, _, e in work))
         amsgrad = any(group.get("amsgrad", False) for _, group, _ in work)
-        names = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
+        names = MOMENTS if amsgrad else MOMENTS[:2]
         # On the stream that writes them first: an allocation may queue work of its own
         # (deterministic mode fills new memory with NaN), which must come before the
         # first copy into the slot.
@@ -237,23 +266,29 @@ class StateStream:
     def _host_state(
         self, optimizer: torch.optim.Optimizer, group: dict[str, Any], entry: Entry
     ) -> dict[str, Any]:
-        """The entry's host state, created as the host optimizer would, in pinned memory."""
-        if entry.inner.dtype != torch.float32:
-            raise TypeError(
-                "stream_share streams fp32 state; the host copy of a parameter of dtype "
-                f"{entry.param.dtype} is {entry.inner.dtype}: pass "
-                "param_update_in_fp32=True or set stream_share=0.0"
-            )
+        """The entry's host state, created as the host optimizer would, in pinned memory.
+
+        Raises:
+            RuntimeError: If the group asks for ``amsgrad`` but the state (made without
+                it) has no ``max_exp_avg_sq``, as Adam itself would fail.
+        """
         state = optimizer.state[entry.inner]
+        names = list(MOMENTS if group["amsgrad"] else MOMENTS[:2])
         if not state:
-            names = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
             state["step"] = torch.zeros((), dtype=torch.float32)
             for name in names:
                 state[name] = torch.zeros(entry.inner.shape, dtype=torch.float32, pin_memory=True)
-        for key, value in list(state.items()):
-            if key != "step" and isinstance(value, torch.Tensor) and not value.is_pinned():
-                # Copies from pageable memory would be synchronous: pin once.
-                state[key] = value.pin_memory()
+        missing = [name for name in names if name not in state]
+        if missing:
+            raise RuntimeError(
+                f"the optimizer state of a parameter of shape {tuple(entry.inner.shape)} has "
+                f"no {', '.join(missing)}: amsgrad was turned on after its state was made"
+            )
+        for name in names:
+            if not state[name].is_pinned():
+                # Copies from pageable memory would be synchronous: pin once (a state
+                # dict loaded from a checkpoint brings pageable tensors).
+                state[name] = state[name].pin_memory()
         return state
 
     def _proxy(self, slot: _Slot, n: int, group: dict[str, Any]) -> tuple[Any, torch.Tensor]:
