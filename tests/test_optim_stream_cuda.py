@@ -290,3 +290,51 @@ def test_lower_precision_host_copies_are_refused_at_construction() -> None:
     # bf16 parameters without fp32 masters have bf16 host copies: nothing to stream.
     with pytest.raises(ValueError, match=r"stream_share=0.5 .*param_update_in_fp32=True"):
         _optimizer(_model(), offload_fraction=1.0, stream_share=0.5, param_update_in_fp32=False)
+
+
+def test_parameter_without_gradient_is_not_stepped(deterministic: None) -> None:
+    def drop_one(model: torch.nn.Module) -> None:
+        model[2].weight.grad = None  # a frozen layer this step: no update, no state change
+
+    reference, ref_opt, streamed, opt = _fully_streamed_under_forward()
+    _train(reference, ref_opt, 4, before_step=drop_one)
+    _train(streamed, opt, 4, before_step=drop_one)
+    assert opt.last_step_timings["streamed_numel"] == (LAYERS - 1) * WIDTH * WIDTH
+    assert not opt.state[streamed[2].weight]  # never stepped: no state
+    _assert_equal(streamed, reference)
+
+
+def test_dummy_step_load_and_add_param_group(deterministic: None) -> None:
+    def build(seed: int, fraction: float, share: float) -> Any:
+        model = _model(seed=seed)
+        params = list(model.parameters())
+        opt = HybridDeviceOptimizer(
+            params[:2],
+            offload_fraction=fraction,
+            stream_share=share,
+            param_update_in_fp32=True,
+            lr=1e-3,
+            weight_decay=0.01,
+        )
+        opt.add_param_group({"params": params[2:], "lr": 3e-4})  # rebuilt: all streamed
+        return model, opt
+
+    reference, ref_opt = build(0, 0.0, 0.0)
+    streamed, opt = build(0, 1.0, 1.0)
+    assert all(e.streamed for e in opt._entries)
+    _train(reference, ref_opt, 2)
+    _train(streamed, opt, 2)
+    buf = io.BytesIO()
+    torch.save({"model": streamed.state_dict(), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=False)
+    fresh, fresh_opt = build(9, 1.0, 1.0)
+    fresh.load_state_dict(saved["model"])
+    before = [p.detach().clone() for p in fresh.parameters()]
+    fresh_opt.dummy_step()  # state made, parameters unchanged
+    for p, b in zip(fresh.parameters(), before, strict=True):
+        assert torch.equal(p, b)
+    fresh_opt.load_state_dict(saved["opt"])
+    _train(reference, ref_opt, 2, start=2)
+    _train(fresh, fresh_opt, 2, start=2)
+    _assert_equal(fresh, reference)
