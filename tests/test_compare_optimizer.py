@@ -422,7 +422,7 @@ def test_variant_and_config_validation():
         OptimizerVariant(0.5, overlap=1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"stream_share must be in \[0.0, 1.0\]"):
         OptimizerVariant(0.5, stream_share=-0.5)
-    with pytest.raises(TypeError, match="stream_share must be a number"):
+    with pytest.raises(TypeError, match="stream_share must be a float in"):
         OptimizerVariant(0.5, stream_share=True)  # type: ignore[arg-type]
     assert OptimizerVariant(0.5, stream_share=0.25).name == "0.5, overlap on, 0.25 streamed"
     with pytest.raises(ValueError, match="at least one"):

@@ -27,7 +27,7 @@ def test_share_outside_the_range_is_refused(value: float) -> None:
 
 @pytest.mark.parametrize("value", ["half", True, None])
 def test_share_that_is_not_a_number_is_refused(value: Any) -> None:
-    with pytest.raises(TypeError, match="stream_share must be a number"):
+    with pytest.raises(TypeError, match="stream_share must be a float in"):
         HybridDeviceOptimizer(_params(), offload_fraction=1.0, stream_share=value, **STAND_IN)
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import math
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,11 +78,8 @@ class OptimizerVariant:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-        share = self.stream_share
-        if isinstance(share, bool) or not isinstance(share, (int, float)):
-            raise TypeError(f"stream_share must be a number, got {type(share).__name__}")
-        if math.isnan(share) or not 0.0 <= share <= 1.0:
-            raise ValueError(f"stream_share must be in [0.0, 1.0], got {share}")
+        share = check_offload_fraction(self.stream_share, "stream_share")
+        object.__setattr__(self, "stream_share", share)
 
     @property
     def name(self) -> str:

@@ -212,12 +212,11 @@ class OptimizerOffloadConfig:
                 ``[0.0, 1.0]``.
         """
         _check_types(self)
-        fraction = self.optimizer_offload_fraction
-        if math.isnan(fraction) or not 0.0 <= fraction <= 1.0:
-            raise ValueError(f"optimizer_offload_fraction must be in [0.0, 1.0], got {fraction}")
+        for name in ("optimizer_offload_fraction", "stream_share"):
+            value = getattr(self, name)
+            if math.isnan(value) or not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be in [0.0, 1.0], got {value}")
         share = self.stream_share
-        if math.isnan(share) or not 0.0 <= share <= 1.0:
-            raise ValueError(f"stream_share must be in [0.0, 1.0], got {share}")
         if share > 0.0 and self.optimizer != "adam":
             raise ValueError(
                 f"stream_share={share} streams AdamW's state through the GPU; "

@@ -242,10 +242,7 @@ class ForwardOverlap:
         with self._marks:
             for sub in subs:
                 for entry in sub.entries:
-                    entry.landed = threading.Event()
-                    entry.unguarded = True
-                    self._pending[id(entry.param)] = entry
-                    mark_pending(entry.param, self.wait, entry)
+                    self._mark(entry)
         self._future = self._executor.submit(self._run, list(subs), h2d)
 
     def mark_queued(self, entries: Sequence[Entry]) -> None:
@@ -259,11 +256,15 @@ class ForwardOverlap:
             for entry in entries:
                 if entry.h2d_event is None:
                     continue  # no gradient: not stepped
-                entry.landed = threading.Event()
-                entry.landed.set()
-                entry.unguarded = True
-                self._pending[id(entry.param)] = entry
-                mark_pending(entry.param, self.wait, entry)
+                self._mark(entry).set()
+
+    def _mark(self, entry: Entry) -> threading.Event:
+        """Make ``entry``'s parameter pending behind a new ``landed`` event (under ``_marks``)."""
+        entry.landed = threading.Event()
+        entry.unguarded = True
+        self._pending[id(entry.param)] = entry
+        mark_pending(entry.param, self.wait, entry)
+        return entry.landed
 
     def _run(self, subs: list[Sub], h2d: torch.cuda.Stream | None) -> dict[str, float]:
         device = torch.cuda.device(self.cuda_device) if self.cuda_device is not None else None

@@ -42,7 +42,6 @@ that, whatever the chunking.
 
 from __future__ import annotations
 
-import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -51,6 +50,7 @@ from typing import Any
 import torch
 
 from ._entries import IMPLEMENTATION_KEYS, Entry, Sub
+from ._split import check_offload_fraction
 
 __all__ = ["STREAMABLE_CLASSES", "StateStream", "check_stream_share", "mark_streamed"]
 
@@ -70,11 +70,9 @@ def check_stream_share(value: Any, cpu_optimizer_cls: type[torch.optim.Optimizer
 
     A positive share also needs a host optimizer class from :data:`STREAMABLE_CLASSES`.
     """
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"stream_share must be a number in [0.0, 1.0], got {value!r}")
-    share = float(value)
-    if math.isnan(share) or not 0.0 <= share <= 1.0:
-        raise ValueError(f"stream_share must be in [0.0, 1.0], got {value!r}")
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        value = float(value)  # NumPy scalars too
+    share = check_offload_fraction(value, "stream_share")
     if share > 0.0 and cpu_optimizer_cls not in STREAMABLE_CLASSES:
         allowed = ", ".join(f"torch.optim.{c.__name__}" for c in STREAMABLE_CLASSES)
         raise ValueError(
