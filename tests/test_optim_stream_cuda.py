@@ -56,7 +56,8 @@ def _optimizer(
 
 def _loss(model: torch.nn.Module, step: int, micro: int) -> torch.Tensor:
     gen = torch.Generator(device="cuda").manual_seed(1000 + 10 * step + micro)
-    x = torch.randn(32, WIDTH, device="cuda", generator=gen).to(torch.bfloat16)
+    dtype = next(model.parameters()).dtype  # bf16, or fp32 for the fp32-parameter test
+    x = torch.randn(32, WIDTH, device="cuda", generator=gen).to(dtype)
     return model(x).float().square().mean()
 
 
