@@ -375,16 +375,20 @@ def side_by_side(
             ),
         ]
     for share in args.stream_share_list:
-        ours_variants.append(
-            (
-                f"ours, under forward, last layers offloaded, {share:g} streamed",
-                {
-                    "overlap_host_step_with_forward": True,
-                    "offload_last_layers": True,
-                    "stream_share": share,
-                },
+        for e in early[args.early_grad_copy]:
+            extra = {} if e is None else {"early_grad_copy": e}
+            tag = "" if e is None else f", early copies {'on' if e else 'off'}"
+            ours_variants.append(
+                (
+                    f"ours, under forward, last layers offloaded, {share:g} streamed{tag}",
+                    {
+                        "overlap_host_step_with_forward": True,
+                        "offload_last_layers": True,
+                        "stream_share": share,
+                        **extra,
+                    },
+                )
             )
-        )
     rows: list[dict[str, Any]] = []
     settings = [(0.0, True)] + [(f, o) for f in args.fraction_list for o in (True, False)]
     for fraction, overlap in settings:

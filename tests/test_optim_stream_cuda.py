@@ -68,6 +68,7 @@ def _train(
     start: int = 0,
     set_to_none: bool = True,
     before_step: Any = None,
+    clip: bool = True,
 ) -> list[torch.Tensor]:
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     for _ in range(start):
@@ -78,7 +79,8 @@ def _train(
             loss = _loss(model, i, micro)
             loss.backward()
             losses.append(loss.detach())
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
         if before_step is not None:
             before_step(model)
         opt.step()
@@ -146,6 +148,36 @@ def test_half_streamed_equals_the_matching_split(deterministic: None, under_forw
     streamed_mask = [e.streamed for e in opt._entries]
     assert streamed_mask == [not off for off in ref_opt.offload_mask]
     _assert_equal(streamed, reference)
+
+
+@pytest.mark.parametrize("clip", [False, True])
+def test_host_lane_behind_streamed_copies_early(deterministic: None, clip: bool) -> None:
+    # With the step under the forward, the host lane's buckets are read after the
+    # streamed ones: their gradients are copied in backward (backward makes them first),
+    # checked in step(), and copied again where clipping changed them.
+    streamed = _model()
+    opt = _optimizer(
+        streamed, offload_fraction=1.0, stream_share=0.5, overlap_host_step_with_forward=True
+    )
+    opt._early_min_numel = 0  # this model's gradients are all small
+    _train(streamed, opt, 1, clip=clip)  # the first forward shows the read order
+    assert opt.last_step_timings["early_copies"] == 0
+    _train(streamed, opt, 3, start=1, clip=clip)
+    host = [e for e in opt._entries if e.offloaded and not e.streamed]
+    assert len(host) == 2
+    assert opt.last_step_timings["early_copies"] == len(host)
+    assert opt.last_step_timings["early_copies_reused"] == (0 if clip else len(host))
+    # Against the matching split: the streamed layers on the device, the others on the host.
+    split = _model()
+    split_opt = _optimizer(
+        split,
+        offload_fraction=0.5,
+        offload_last_layers=True,
+        overlap_host_step_with_forward=True,
+        early_grad_copy=False,
+    )
+    _train(split, split_opt, 4, clip=clip)
+    _assert_equal(streamed, split)
 
 
 def test_resume_from_state_dict_is_exact(deterministic: None) -> None:

@@ -106,15 +106,21 @@ class ForwardOverlap:
         self._note_first_device_read()
 
     def _note_first_device_read(self) -> None:
+        # A streamed entry is stepped on the device too, by the stream lane from step()
+        # on: the host lane's buckets read after it wait for gradients as device layers'
+        # followers do.
         device_reads = [
             self._order[key]
             for key, e in self._entry_by_id.items()
-            if not e.host and key in self._order
+            if (not e.host or e.streamed) and key in self._order
         ]
         self._first_device_read = min(device_reads, default=None)
 
     def read_after_device_param(self, entry: Entry) -> bool:
         """Whether a forward reads a parameter stepped on the device before ``entry``'s.
+
+        Stepped on the device: a parameter the device optimizer owns, or a streamed one
+        (``stream_share``).
 
         False until the first forward showed the order.
         """

@@ -93,10 +93,12 @@ class HybridStepper(torch.optim.Optimizer):
         The host steps in forward order, so its first bucket needs the gradients that
         backward produces last. ``"auto"`` copies early only the gradients of parameters
         the forward reads after a parameter stepped on the device (the offloaded last
-        layers of ``offload_last_layers``): backward produces them while the device
-        layers' backward still runs, so their copies finish behind it and the host can
-        start at once. Where every earlier parameter is offloaded too, an early copy
-        would not let the host start any sooner, and its checks would cost backward time.
+        layers of ``offload_last_layers``, the host lane's buckets behind the streamed
+        ones of ``stream_share``): backward produces them while the earlier layers'
+        backward still runs, so their copies finish behind it and the host can start at
+        once, and the link is left to the stream lane during the step. Where every
+        earlier parameter is offloaded too, an early copy would not let the host start
+        any sooner, and its checks would cost backward time.
         """
         if not self._early_auto:
             return self.early_grad_copy
@@ -170,7 +172,9 @@ class HybridStepper(torch.optim.Optimizer):
             assert self._overlap is not None
             self._overlap.submit(later, h2d)
         if self._overlap is not None and lane_subs:
-            # Queued after the host lane has its work: the queueing takes host time.
+            # Queued after the host lane has its work: the queueing takes host time
+            # (queued first, it delayed the host lane: 0.88x against 0.81x of Megatron's
+            # step at fraction 1.0 with a 0.375 share, docs/benchmarks.md).
             assert self._lane is not None and before_step is not None
             try:
                 streamed_numel = self._lane.queue(lane_subs, before_step)
