@@ -27,6 +27,7 @@ from cpu_offload.optim import (
     measure_optimizer,
     optimizer_device_state_bytes,
 )
+from cpu_offload.optim._args import resolve_param_copy_dtype
 from cpu_offload.optim._entries import EarlyCopy, Entry
 from cpu_offload.optim._fingerprint import EarlyCopyChecks
 from cpu_offload.optim._fingerprint import fingerprint as _fingerprint
@@ -148,8 +149,18 @@ def test_flags_must_be_bool(name: str) -> None:
         HybridDeviceOptimizer(_model().parameters(), **{name: 1})
 
 
+@pytest.mark.parametrize("given", ["auto", "master", "param"])
+def test_param_copy_dtype_resolved(given: str) -> None:
+    # "auto": narrowed on the host where a stream lane makes the link the bound; the
+    # optimizer keeps the resolved value.
+    assert resolve_param_copy_dtype(given, 0.0) == ("master" if given == "auto" else given)
+    assert resolve_param_copy_dtype(given, 0.5) == ("param" if given == "auto" else given)
+    opt = HybridDeviceOptimizer(_model().parameters(), param_copy_dtype=given)
+    assert opt.param_copy_dtype == ("master" if given == "auto" else given)
+
+
 def test_our_keywords_checked() -> None:
-    with pytest.raises(ValueError, match="param_copy_dtype must be 'master' or 'param'"):
+    with pytest.raises(ValueError, match="param_copy_dtype must be 'auto', 'master' or 'param'"):
         HybridDeviceOptimizer(_model().parameters(), param_copy_dtype="fp32")
     with pytest.raises(ValueError, match="grad_copy_dtype must be 'master' or 'param'"):
         HybridDeviceOptimizer(_model().parameters(), grad_copy_dtype=torch.float32)

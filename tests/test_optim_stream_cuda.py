@@ -177,6 +177,8 @@ def test_host_lane_behind_streamed_copies_early(deterministic: None, clip: bool)
         early_grad_copy=False,
     )
     _train(split, split_opt, 4, clip=clip)
+    # Narrowed on the host with a stream lane ("auto"), on the device without: same values.
+    assert (opt.param_copy_dtype, split_opt.param_copy_dtype) == ("param", "master")
     _assert_equal(streamed, split)
 
 

@@ -18,6 +18,7 @@ __all__ = [
     "materialize",
     "pop_flag",
     "pop_predicate",
+    "resolve_param_copy_dtype",
 ]
 
 ParamsT = Iterable[torch.Tensor] | Iterable[dict[str, Any]]
@@ -27,6 +28,25 @@ def check_copy_dtype(name: str, value: Any) -> CopyDtype:
     """``value`` if it is ``"master"`` or ``"param"``; ValueError naming ``name`` otherwise."""
     if value not in ("master", "param"):
         raise ValueError(f"{name} must be 'master' or 'param', got {value!r}")
+    return value  # type: ignore[no-any-return]
+
+
+def resolve_param_copy_dtype(value: Any, stream_share: float) -> CopyDtype:
+    """``param_copy_dtype``: ``"auto"`` resolved for ``stream_share``, else checked.
+
+    ``"auto"`` is ``"param"`` with a stream lane and ``"master"`` without. With one, the
+    step is bound by what crosses host-to-device (the lane's state, 12 bytes per
+    element, and the host-stepped parameters): parameters narrowed on the host cross in
+    half the bytes, and the host lane has time to spare for the narrowing. Without one,
+    the host step bounds it, and narrowing on the device keeps host memory for it.
+
+    Raises:
+        ValueError: If ``value`` is not ``"auto"``, ``"master"`` or ``"param"``.
+    """
+    if value == "auto":
+        return "param" if stream_share > 0.0 else "master"
+    if value not in ("master", "param"):
+        raise ValueError(f"param_copy_dtype must be 'auto', 'master' or 'param', got {value!r}")
     return value  # type: ignore[no-any-return]
 
 

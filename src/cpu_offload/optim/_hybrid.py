@@ -41,6 +41,7 @@ from ._args import (
     materialize,
     pop_flag,
     pop_predicate,
+    resolve_param_copy_dtype,
 )
 from ._build import HybridBuilder, remove_hooks
 from ._checkpoint import adopt_param_writes, match_loaded_groups, pack_state_dict
@@ -107,10 +108,12 @@ class HybridDeviceOptimizer(HybridBuilder):
       gradient's own dtype and widens on the host (on a worker thread during backward).
       The host step is bound by host memory bandwidth, which host widening takes from it,
       so ``"master"`` is faster wherever the copies overlap backward and the host step.
-    * ``param_copy_dtype`` (``"master"`` or ``"param"``, default ``"master"``): the same
-      choice for the updated parameters travelling back: ``"master"`` sends fp32 and
-      narrows on the device; ``"param"`` narrows on the host and sends the parameter's
-      own dtype (half the PCIe bytes).
+    * ``param_copy_dtype`` (``"auto"``, ``"master"`` or ``"param"``, default
+      ``"auto"``): the same choice for the updated parameters travelling back:
+      ``"master"`` sends fp32 and narrows on the device; ``"param"`` narrows on the host
+      and sends the parameter's own dtype (half the PCIe bytes). Both give the same
+      values. ``"auto"`` is ``"param"`` with ``stream_share`` (the host-to-device bytes
+      bound that step) and ``"master"`` without.
 
     * ``is_device_param`` (callable or None): tells device parameters, which may be
       offloaded, from host ones, which are stepped in place by the host optimizer; by
@@ -231,10 +234,12 @@ class HybridDeviceOptimizer(HybridBuilder):
         early_grad_copy = (not overlap_forward) if early == "auto" else bool(early)
         offload_last_layers = pop_flag(options, "offload_last_layers", False)
         stream_share = check_stream_share(options.pop("stream_share", 0.0), cpu_cls)
-        copy_dtypes = {
-            name: check_copy_dtype(name, options.pop(name, "master"))
-            for name in ("grad_copy_dtype", "param_copy_dtype")
-        }
+        grad_copy_dtype = check_copy_dtype(
+            "grad_copy_dtype", options.pop("grad_copy_dtype", "master")
+        )
+        param_copy_dtype = resolve_param_copy_dtype(
+            options.pop("param_copy_dtype", "auto"), stream_share
+        )
         param_list = materialize(params)
 
         super().__init__(param_list, dict(defaults))
@@ -250,8 +255,9 @@ class HybridDeviceOptimizer(HybridBuilder):
         self.overlap_host_step_with_forward = overlap_forward
         self.offload_last_layers = offload_last_layers
         self.stream_share = stream_share
-        self.grad_copy_dtype: CopyDtype = copy_dtypes["grad_copy_dtype"]
-        self.param_copy_dtype: CopyDtype = copy_dtypes["param_copy_dtype"]
+        self.grad_copy_dtype: CopyDtype = grad_copy_dtype
+        #: ``"master"`` or ``"param"`` (``"auto"`` resolved).
+        self.param_copy_dtype: CopyDtype = param_copy_dtype
         #: Which parameters count as device parameters, eligible for offloading.
         self.is_device_param: Callable[[torch.Tensor], bool] = (
             is_device_tensor if is_device_param is None else is_device_param
