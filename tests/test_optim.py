@@ -155,8 +155,26 @@ def test_param_copy_dtype_resolved(given: str) -> None:
     # optimizer keeps the resolved value.
     assert resolve_param_copy_dtype(given, 0.0) == ("master" if given == "auto" else given)
     assert resolve_param_copy_dtype(given, 0.5) == ("param" if given == "auto" else given)
-    opt = HybridDeviceOptimizer(_model().parameters(), param_copy_dtype=given)
+    opt = _CpuAsDevice(_model().parameters(), param_copy_dtype=given)
     assert opt.param_copy_dtype == ("master" if given == "auto" else given)
+
+
+@pytest.mark.parametrize("grad_copy_dtype", ["param", "master"])
+def test_copy_buffers_allocated_at_construction(grad_copy_dtype: str) -> None:
+    # Not inside backward, where pinned allocation would stall it.
+    opt = _CpuAsDevice(
+        _model(torch.bfloat16).parameters(),
+        offload_fraction=1.0,
+        param_update_in_fp32=True,
+        param_copy_dtype="param",
+        grad_copy_dtype=grad_copy_dtype,
+    )
+    for entry in opt._entries:
+        assert entry.offloaded and entry.stage is not None and entry.grad_buf is not None
+        assert entry.stage.dtype == torch.bfloat16
+        widened_on_host = grad_copy_dtype == "param"
+        assert entry.grad_buf.dtype == (torch.bfloat16 if widened_on_host else torch.float32)
+        assert (entry.host_grad is not None) == widened_on_host
 
 
 def test_our_keywords_checked() -> None:

@@ -154,7 +154,8 @@ def test_half_streamed_equals_the_matching_split(deterministic: None, under_forw
 def test_host_lane_behind_streamed_copies_early(deterministic: None, clip: bool) -> None:
     # With the step under the forward, the host lane's buckets are read after the
     # streamed ones: their gradients are copied in backward (backward makes them first),
-    # checked in step(), and copied again where clipping changed them.
+    # checked in step(), and copied again where clipping changed them in place.
+    # Streamed entries get no host gradient or staging buffers.
     streamed = _model()
     opt = _optimizer(
         streamed, offload_fraction=1.0, stream_share=0.5, overlap_host_step_with_forward=True
@@ -165,6 +166,8 @@ def test_host_lane_behind_streamed_copies_early(deterministic: None, clip: bool)
     _train(streamed, opt, 3, start=1, clip=clip)
     host = [e for e in opt._entries if e.offloaded and not e.streamed]
     assert len(host) == 2
+    assert all(e.grad_buf is not None and e.stage is not None for e in host)
+    assert all(e.grad_buf is None and e.stage is None for e in opt._entries if e.streamed)
     assert opt.last_step_timings["early_copies"] == len(host)
     assert opt.last_step_timings["early_copies_reused"] == (0 if clip else len(host))
     # Against the matching split: the streamed layers on the device, the others on the host.

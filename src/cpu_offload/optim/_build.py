@@ -127,6 +127,9 @@ class HybridBuilder(HybridStepper):
 
         host_entries = self._host_order(entries)
         streamed = mark_streamed(host_entries, self.stream_share)
+        for entry in host_entries:
+            if entry.offloaded and not entry.streamed:
+                self._factory.add_copy_buffers(entry)
         self._lane = (
             StateStream(self.cpu_optimizer_cls, self._cuda_device)
             if streamed and self._cuda_device is not None

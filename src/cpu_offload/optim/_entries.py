@@ -154,19 +154,31 @@ class EntryFactory:
         inner.copy_(p.detach())
         entry = Entry(p, group, True, True, inner, master)
         entry.note_param_written()
-        if narrow_on_host:
+        return entry
+
+    def add_copy_buffers(self, entry: Entry) -> None:
+        """Give an offloaded entry stepped by the host its gradient and staging buffers.
+
+        Called once the entries streamed through the device (which need none) are known:
+        pinned memory allocated and dropped would stay in PyTorch's pinned-memory cache.
+        Allocated here, not on first use (gradients normally have the parameter's dtype):
+        pinned allocation is slow and must not happen inside backward.
+        """
+        p = entry.param
+        pin = p.is_cuda
+        if entry.master and self.param_copy_dtype == "param":
             entry.stage = torch.empty(
                 p.shape, dtype=p.dtype, device="cpu", pin_memory=pin and self.pin_cpu_params
             )
-        # Allocated now (gradients normally have the parameter's dtype): pinned
-        # allocation is slow and must not happen inside backward.
-        grad_dtype = dtype if master and self.grad_copy_dtype == "master" else p.dtype
+        widen_on_device = entry.master and self.grad_copy_dtype == "master"
         entry.grad_buf = torch.empty(
-            p.shape, dtype=grad_dtype, device="cpu", pin_memory=pin and self.pin_cpu_grads
+            p.shape,
+            dtype=entry.inner.dtype if widen_on_device else p.dtype,
+            device="cpu",
+            pin_memory=pin and self.pin_cpu_grads,
         )
-        if master and self.grad_copy_dtype == "param":
-            entry.host_grad = torch.empty(p.shape, dtype=dtype, device="cpu")
-        return entry
+        if entry.master and self.grad_copy_dtype == "param":
+            entry.host_grad = torch.empty(p.shape, dtype=entry.inner.dtype, device="cpu")
 
 
 def bucket_entries(host_entries: Sequence[Entry], bucketed: bool) -> list[list[Entry]]:

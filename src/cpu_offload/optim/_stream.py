@@ -93,8 +93,9 @@ def mark_streamed(host_entries: Sequence[Entry], share: float) -> list[Entry]:
     ``offload_fraction``); the others stay with the host. The first ones in stepping
     order are the ones the next forward reads first: the stream lane starts at once (the
     gradients are on the device), the host lane only once its first gradient has
-    crossed. A streamed entry's host copy is pinned (its copies are asynchronous), and
-    the host-lane buffers it does not use are dropped.
+    crossed. A streamed entry's host copy is pinned (its copies are asynchronous); it
+    gets none of the host lane's copy buffers (``EntryFactory.add_copy_buffers`` runs
+    after this, for the others).
 
     Returns:
         The streamed entries.
@@ -131,7 +132,6 @@ def mark_streamed(host_entries: Sequence[Entry], share: float) -> list[Entry]:
         if not entry.inner.is_pinned():
             # Before any sub-optimizer holds it: make_sub and install_state come after.
             entry.inner = entry.inner.pin_memory()
-        entry.grad_buf = entry.host_grad = entry.stage = None
         streamed.append(entry)
         count += entry.param.numel()
     return streamed
