@@ -29,6 +29,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cpu_offload.optim import HybridDeviceOptimizer
+from cpu_offload.optim._entries import Entry
+from cpu_offload.optim._forward_overlap import ForwardOverlap
 from cpu_offload.optim._pending import is_pending
 
 WIDTH = 32
@@ -585,3 +587,23 @@ def test_state_holds_every_parameter_once_synchronized(fraction: float) -> None:
     params = [p for g in opt.param_groups for p in g["params"]]
     assert len(opt.state) == len(params)
     assert all(p in opt.state and int(opt.state[p]["step"]) == 1 for p in params)
+
+
+def test_streamed_entries_count_as_stepped_on_the_device() -> None:
+    # The rule behind early_grad_copy="auto": a host-stepped parameter the forward reads
+    # after a streamed one has its gradient copied in backward, as after a device one.
+    model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(3)))
+    entries = [
+        Entry(p, 0, host=True, offloaded=True, inner=p.detach().clone(), master=False)
+        for p in model.parameters()
+    ]
+    overlap = ForwardOverlap(None)
+    overlap.track(entries)
+    model(torch.randn(2, 4))  # the first forward shows the read order
+    overlap.finish_learning()
+    assert not any(overlap.read_after_device_param(e) for e in entries)
+    for entry in entries[2:4]:  # the second layer's weight and bias
+        entry.streamed = True
+    overlap.track(entries)
+    after = [overlap.read_after_device_param(e) for e in entries]
+    assert after == [False, False, False, True, True, True]

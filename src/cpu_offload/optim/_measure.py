@@ -30,7 +30,8 @@ class OptimizerMeasurement:
     Attributes:
         offload_fraction: The fraction measured (0.0 is the no-offload baseline).
         overlap: ``overlap_cpu_optimizer_d2h_h2d``.
-        param_copy_dtype: ``"param"`` or ``"master"`` (see HybridDeviceOptimizer).
+        param_copy_dtype: ``"param"`` or ``"master"``, as the optimizer resolved it (see
+            HybridDeviceOptimizer).
         steps: Number of timed steps.
         step_ms: Wall time of a whole training step (forward, backward, ``step()``,
             ``zero_grad()``, device synchronized at the end).
@@ -177,7 +178,7 @@ def measure_optimizer(
     offload_fraction: float = 0.5,
     overlap_cpu_optimizer_d2h_h2d: bool = True,
     param_update_in_fp32: bool = True,
-    param_copy_dtype: Literal["master", "param"] = "master",
+    param_copy_dtype: Literal["auto", "master", "param"] = "auto",
     steps: int = 5,
     warmup: int = 2,
     cpu_optimizer_cls: type[torch.optim.Optimizer] | None = None,
@@ -200,8 +201,9 @@ def measure_optimizer(
         offload_fraction: Fraction of the parameters' optimizer state on the host.
         overlap_cpu_optimizer_d2h_h2d: Overlapped (pipelined) mode.
         param_update_in_fp32: fp32 master copies for lower-precision parameters.
-        param_copy_dtype: ``"master"`` or ``"param"``: dtype of the copies back (as for
-            :class:`HybridDeviceOptimizer`; ``grad_copy_dtype`` goes in ``**defaults``).
+        param_copy_dtype: ``"auto"``, ``"master"`` or ``"param"``: dtype of the copies
+            back (as for :class:`HybridDeviceOptimizer`, whose default ``"auto"`` depends
+            on ``stream_share``; ``grad_copy_dtype`` goes in ``**defaults``).
         steps: Timed steps (>= 1).
         warmup: Untimed steps first (>= 0; state allocation, pinned buffers).
         cpu_optimizer_cls: Host optimizer class (AdamW when None).
@@ -287,6 +289,7 @@ def measure_optimizer(
         sides = optimizer_state_bytes(optimizer)
         peak = torch.cuda.max_memory_allocated(device) if cuda else 0
         host_numel = int(optimizer.last_step_timings.get("host_numel", 0.0))
+        resolved_copy_dtype = optimizer.param_copy_dtype
         if on_finish is not None:
             on_finish(optimizer)
     finally:
@@ -298,7 +301,7 @@ def measure_optimizer(
     return OptimizerMeasurement(
         offload_fraction=fraction,
         overlap=overlap_cpu_optimizer_d2h_h2d,
-        param_copy_dtype=param_copy_dtype,
+        param_copy_dtype=resolved_copy_dtype,
         steps=steps,
         step_ms=step_med,
         forward_backward_ms=fb_med,

@@ -173,8 +173,8 @@ class HybridStepper(torch.optim.Optimizer):
             self._overlap.submit(later, h2d)
         if self._overlap is not None and lane_subs:
             # Queued after the host lane has its work: the queueing takes host time
-            # (queued first, it delayed the host lane: 0.88x against 0.81x of Megatron's
-            # step at fraction 1.0 with a 0.375 share, docs/benchmarks.md).
+            # (queued first, it delayed the host lane: 325.1 against 296.8 ms at
+            # fraction 1.0 with a 0.375 share on workload C, docs/benchmarks.md).
             assert self._lane is not None and before_step is not None
             try:
                 streamed_numel = self._lane.queue(lane_subs, before_step)
