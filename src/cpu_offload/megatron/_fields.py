@@ -6,10 +6,11 @@ the end read the fields from any config object (a dataclass, a mapping, OmegaCon
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
+
+from cpu_offload.optim._split import check_offload_fraction
 
 _C = TypeVar("_C", "ActivationOffloadConfig", "OptimizerOffloadConfig")
 
@@ -213,9 +214,7 @@ class OptimizerOffloadConfig:
         """
         _check_types(self)
         for name in ("optimizer_offload_fraction", "stream_share"):
-            value = getattr(self, name)
-            if math.isnan(value) or not 0.0 <= value <= 1.0:
-                raise ValueError(f"{name} must be in [0.0, 1.0], got {value}")
+            check_offload_fraction(getattr(self, name), name)
         share = self.stream_share
         if share > 0.0 and self.optimizer != "adam":
             raise ValueError(
