@@ -31,6 +31,7 @@ from cpu_offload.optim._args import resolve_param_copy_dtype
 from cpu_offload.optim._entries import EarlyCopy, Entry
 from cpu_offload.optim._fingerprint import EarlyCopyChecks
 from cpu_offload.optim._fingerprint import fingerprint as _fingerprint
+from cpu_offload.optim._step import cast_pieces
 
 # The for-loop implementations are used where a test compares against a plain optimizer:
 # they are fast on tiny tensors (the fused CPU kernels have a large fixed cost) and the
@@ -948,3 +949,44 @@ def test_gradient_copies_are_queued_before_the_device_step_without_side_streams(
     model(torch.randn(4, 8)).sum().backward()
     opt.step()
     assert order[-1] == "device" and order.count("copy") == sum(opt.offload_mask)
+
+
+def _master_entry(numel: int, grad: bool = True, master: bool = True) -> Entry:
+    param = torch.nn.Parameter(torch.zeros(numel, dtype=torch.bfloat16 if master else None))
+    if grad:
+        param.grad = torch.ones_like(param)
+    inner = param.detach().float() if master else param
+    return Entry(param, 0, host=False, offloaded=False, inner=inner, master=master)
+
+
+def test_cast_pieces_cut_by_elements_in_order() -> None:
+    entries = [_master_entry(100) for _ in range(4)]
+    assert cast_pieces(entries, 4, 100) == [[e] for e in entries]
+    assert cast_pieces(entries, 4, 150) == [entries[:2], entries[2:]]  # 400 // 150 = 2
+    assert cast_pieces(entries, 2, 1) == [entries[:2], entries[2:]]
+    # Whole entries, in order, covering all: a large first entry takes a piece alone.
+    uneven = [_master_entry(300), _master_entry(50), _master_entry(50)]
+    pieces = cast_pieces(uneven, 4, 100)
+    assert pieces is not None and pieces[0] == [uneven[0]]
+    assert [e for piece in pieces for e in piece] == uneven
+
+
+def test_cast_pieces_only_where_they_change_nothing() -> None:
+    entries = [_master_entry(100) for _ in range(4)]
+    assert cast_pieces(entries, 4, 1000) is None  # one piece would hold everything
+    assert cast_pieces(entries, 1, 1) is None
+    # Parameters without a gradient are left out (the optimizer skips them anyway).
+    no_grad = [_master_entry(100, grad=False), *entries]
+    assert cast_pieces(no_grad, 4, 100) == [[e] for e in entries]
+    # A parameter stepped in place would be stepped by every piece's call: no pieces.
+    assert cast_pieces([*entries, _master_entry(10, master=False)], 4, 100) is None
+    assert cast_pieces([*entries, _master_entry(10, grad=False, master=False)], 4, 100)
+    # A gradient in another dtype than its parameter's (where PyTorch allows one): no pieces.
+    odd = _master_entry(100)
+    try:
+        if hasattr(odd.param, "grad_dtype"):
+            odd.param.grad_dtype = None
+        odd.param.grad = torch.ones(100)
+    except RuntimeError:
+        return  # this PyTorch refuses such a gradient outright
+    assert cast_pieces([*entries, odd], 4, 100) is None

@@ -439,3 +439,48 @@ def test_lr_scheduler_on_gpu() -> None:
         sched.step()
         sched_ref.step()
     _close(model, ref)
+
+
+@pytest.mark.parametrize("caller_stream", [False, True])
+@pytest.mark.parametrize("fraction", [0.0, 0.5])
+def test_device_masters_stepped_in_pieces_bit_identical(
+    fraction: float, caller_stream: bool
+) -> None:
+    """NOTE [Casting device gradients beside the device step]: the fp32 gradients cast on a
+    side stream and the device optimizer stepped piece by piece give the bits of one
+    call, over 10 steps with two param groups, a scheduler, clipping and accumulation."""
+    models = [_model(width=256, layers=4, dtype=torch.bfloat16) for _ in range(2)]
+    opts, scheds = [], []
+    for model, min_numel in zip(models, (1, 1 << 40), strict=True):
+        opt = HybridDeviceOptimizer(
+            _groups(model, two_groups=True),
+            offload_fraction=fraction,
+            param_update_in_fp32=True,
+            **ADAMW,
+        )
+        opt._cast_piece_min_numel = min_numel  # 1: four pieces; 2**40: one call
+        opts.append(opt)
+        scheds.append(torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5))
+    stream = torch.cuda.Stream() if caller_stream else torch.cuda.current_stream()
+    losses: list[list[float]] = [[], []]
+    with torch.cuda.stream(stream):
+        for step in range(10):
+            for model, opt, sched, out in zip(models, opts, scheds, losses, strict=True):
+                for micro in range(2):  # gradient accumulation
+                    loss = _loss(model, 2 * step + micro)
+                    loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-2)
+                opt.step()
+                opt.zero_grad()
+                sched.step()
+                out.append(loss.item())
+    torch.cuda.synchronize()
+    assert opts[0]._cast_stream is not None and opts[1]._cast_stream is None
+    assert losses[0] == losses[1]
+    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        assert torch.equal(a, b)
+    for pa, pb in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        for key, value in opts[0].state[pa].items():
+            assert torch.equal(
+                torch.as_tensor(value).cpu(), torch.as_tensor(opts[1].state[pb][key]).cpu()
+            ), key

@@ -290,6 +290,7 @@ class HybridDeviceOptimizer(HybridBuilder):
         self._h2d_stream: torch.cuda.Stream | None = None
         self._overlap = ForwardOverlap(None) if overlap_forward else None
         self._lane = None
+        self._cast_stream: torch.cuda.Stream | None = None
         warn_if_nothing_can_be_offloaded(
             [p for g in self.param_groups for p in g["params"]], fraction, self.is_device_param
         )
