@@ -264,8 +264,11 @@ class HybridStepper(torch.optim.Optimizer):
         sub = self._device_sub
         assert sub is not None
         pieces = None
-        if self._cuda_device is not None and not is_current_stream_capturing():
+        if not is_current_stream_capturing():
             pieces = cast_pieces(sub.entries, self._cast_pieces, self._cast_piece_min_numel)
+        devices = {e.param.device for piece in pieces or () for e in piece}
+        if len(devices) != 1 or next(iter(devices)).type != "cuda":
+            pieces = None  # one CUDA device: its current stream orders the pieces
         if pieces is None:
             for entry in sub.entries:
                 if entry.master:
@@ -275,7 +278,7 @@ class HybridStepper(torch.optim.Optimizer):
             _write_masters(sub.entries)
             return
         # NOTE [Casting device gradients beside the device step]
-        current = torch.cuda.current_stream(self._cuda_device)
+        current = torch.cuda.current_stream(next(iter(devices)))
         grads = [[_grad_of(e) for e in piece] for piece in pieces]
         wides = [
             [
