@@ -11,7 +11,9 @@ on the GPU for the last; the host part bit-identical to the same optimizer class
 host copies with the same gradients (also for bf16 with fp32 masters, both copy-back
 dtypes, with gradient clipping and GradScaler between backward and step); exact
 checkpoint resume; checkpoint interchange with plain optimizers and across fractions;
-GPU memory of the optimizer state falling in proportion to the fraction.
+GPU memory of the optimizer state falling in proportion to the fraction; the device step
+in pieces beside its gradients' casts bit-identical to one call (and used only for
+PyTorch's Adam, AdamW and SGD).
 """
 
 from __future__ import annotations
@@ -484,3 +486,39 @@ def test_device_masters_stepped_in_pieces_bit_identical(
             assert torch.equal(
                 torch.as_tensor(value).cpu(), torch.as_tensor(opts[1].state[pb][key]).cpu()
             ), key
+
+
+class _AdamWSubclass(torch.optim.AdamW):
+    """A user's subclass: its step() might do more, so it is stepped in one call."""
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs", "pieces"),
+    [
+        (torch.optim.AdamW, ADAMW, True),
+        (torch.optim.SGD, SGD, True),
+        (_AdamWSubclass, ADAMW, False),
+    ],
+    ids=["adamw", "sgd-momentum", "adamw-subclass"],
+)
+def test_device_pieces_only_for_known_classes(
+    cls: type, kwargs: dict[str, Any], pieces: bool
+) -> None:
+    models = [_model(width=256, layers=4, dtype=torch.bfloat16) for _ in range(2)]
+    opts = []
+    for model, min_numel in zip(models, (1, 1 << 40), strict=True):
+        opt = HybridDeviceOptimizer(
+            model.parameters(),
+            offload_fraction=0.0,
+            param_update_in_fp32=True,
+            cpu_optimizer_cls=cls,
+            gpu_optimizer_cls=cls,
+            **kwargs,
+        )
+        opt._cast_piece_min_numel = min_numel  # 1: pieces where allowed; 2**40: one call
+        opts.append(opt)
+        _train(model, opt, 3)
+    assert (opts[0]._cast_stream is not None) == pieces
+    assert opts[1]._cast_stream is None
+    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        assert torch.equal(a, b)

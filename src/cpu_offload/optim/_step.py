@@ -25,6 +25,10 @@ from ._stream import StateStream
 
 __all__ = ["HybridStepper", "cast_pieces"]
 
+# Optimizers stepped in pieces (NOTE below): exactly these classes, not subclasses, whose
+# step() may do more.
+_PIECEWISE_CLASSES = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+
 # NOTE [Casting device gradients beside the device step]
 # With param_update_in_fp32, the device optimizer steps fp32 masters, so each device
 # gradient is first cast to fp32: one memory-bound kernel per parameter, about a quarter
@@ -44,10 +48,13 @@ __all__ = ["HybridStepper", "cast_pieces"]
 #
 # Values: a piece's step is ``optimizer.step()`` with only that piece's masters holding
 # gradients (the optimizer skips parameters whose grad is None), and each parameter is
-# stepped exactly once per step(), by the same kernel: bit-identical to one call. The
-# device optimizer's other parameters (stepped in place, without a master) would be
-# stepped by every call, so the pieces are used only where every device parameter with
-# a gradient has a master; and not while a CUDA graph is captured.
+# stepped exactly once per step(), by the same kernel: bit-identical to one call. That
+# holds for optimizers whose step updates each parameter from its own gradient and state
+# alone (PyTorch's Adam, AdamW and SGD: step counts and momenta are per parameter); a
+# class that keeps state per group or needs every gradient at once (LBFGS) steps in one
+# call. The device optimizer's other parameters (stepped in place, without a master)
+# would be stepped by every call, so the pieces are used only where every device
+# parameter with a gradient has a master; and not while a CUDA graph is captured.
 
 
 class HybridStepper(torch.optim.Optimizer):
@@ -264,7 +271,7 @@ class HybridStepper(torch.optim.Optimizer):
         sub = self._device_sub
         assert sub is not None
         pieces = None
-        if not is_current_stream_capturing():
+        if type(sub.optimizer) in _PIECEWISE_CLASSES and not is_current_stream_capturing():
             pieces = cast_pieces(sub.entries, self._cast_pieces, self._cast_piece_min_numel)
         devices = {e.param.device for piece in pieces or () for e in piece}
         if len(devices) != 1 or next(iter(devices)).type != "cuda":
