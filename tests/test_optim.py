@@ -31,7 +31,7 @@ from cpu_offload.optim._args import resolve_param_copy_dtype
 from cpu_offload.optim._entries import EarlyCopy, Entry
 from cpu_offload.optim._fingerprint import EarlyCopyChecks
 from cpu_offload.optim._fingerprint import fingerprint as _fingerprint
-from cpu_offload.optim._step import cast_pieces
+from cpu_offload.optim._step import device_step_pieces
 
 # The for-loop implementations are used where a test compares against a plain optimizer:
 # they are fast on tiny tensors (the fused CPU kernels have a large fixed cost) and the
@@ -959,34 +959,34 @@ def _master_entry(numel: int, grad: bool = True, master: bool = True) -> Entry:
     return Entry(param, 0, host=False, offloaded=False, inner=inner, master=master)
 
 
-def test_cast_pieces_cut_by_elements_in_order() -> None:
+def test_device_step_pieces_cut_by_elements_in_order() -> None:
     entries = [_master_entry(100) for _ in range(4)]
-    assert cast_pieces(entries, 4, 100) == [[e] for e in entries]
-    assert cast_pieces(entries, 4, 150) == [entries[:2], entries[2:]]  # 400 // 150 = 2
-    assert cast_pieces(entries, 2, 1) == [entries[:2], entries[2:]]
-    # Whole entries, in order, covering all: a large first entry takes a piece alone.
+    assert device_step_pieces(entries, 4, 100) == [[e] for e in entries]
+    assert device_step_pieces(entries, 4, 150) == [entries[:2], entries[2:]]  # 400 // 150
+    assert device_step_pieces(entries, 2, 1) == [entries[:2], entries[2:]]
+    # Whole entries, in order, covering all, none below the minimum: a large first entry
+    # takes a piece alone, and a short remainder joins the piece before it.
+    for sizes in ([300, 50, 50], [100, 100, 100, 100, 1], [50] * 9):
+        cut = [_master_entry(n) for n in sizes]
+        pieces = device_step_pieces(cut, 4, 100)
+        assert pieces is not None and 2 <= len(pieces) <= 4
+        assert [e for piece in pieces for e in piece] == cut
+        assert all(sum(e.param.numel() for e in piece) >= 100 for piece in pieces)
     uneven = [_master_entry(300), _master_entry(50), _master_entry(50)]
-    pieces = cast_pieces(uneven, 4, 100)
-    assert pieces is not None and pieces[0] == [uneven[0]]
-    assert [e for piece in pieces for e in piece] == uneven
+    assert device_step_pieces(uneven, 4, 100) == [uneven[:1], uneven[1:]]
 
 
-def test_cast_pieces_only_where_they_change_nothing() -> None:
+def test_device_step_pieces_only_where_they_change_nothing() -> None:
     entries = [_master_entry(100) for _ in range(4)]
-    assert cast_pieces(entries, 4, 1000) is None  # one piece would hold everything
-    assert cast_pieces(entries, 1, 1) is None
+    assert device_step_pieces(entries, 4, 1000) is None  # one piece would hold everything
+    assert device_step_pieces(entries, 1, 1) is None
     # Parameters without a gradient are left out (the optimizer skips them anyway).
     no_grad = [_master_entry(100, grad=False), *entries]
-    assert cast_pieces(no_grad, 4, 100) == [[e] for e in entries]
+    assert device_step_pieces(no_grad, 4, 100) == [[e] for e in entries]
     # A parameter stepped in place would be stepped by every piece's call: no pieces.
-    assert cast_pieces([*entries, _master_entry(10, master=False)], 4, 100) is None
-    assert cast_pieces([*entries, _master_entry(10, grad=False, master=False)], 4, 100)
-    # A gradient in another dtype than its parameter's (where PyTorch allows one): no pieces.
-    odd = _master_entry(100)
-    try:
-        if hasattr(odd.param, "grad_dtype"):
-            odd.param.grad_dtype = None
-        odd.param.grad = torch.ones(100)
-    except RuntimeError:
-        return  # this PyTorch refuses such a gradient outright
-    assert cast_pieces([*entries, odd], 4, 100) is None
+    assert device_step_pieces([*entries, _master_entry(10, master=False)], 4, 100) is None
+    assert device_step_pieces([*entries, _master_entry(10, grad=False, master=False)], 4, 100)
+    # A sparse gradient: no pieces.
+    sparse = _master_entry(100)
+    sparse.param.grad = torch.ones(100, dtype=torch.bfloat16).to_sparse()
+    assert device_step_pieces([*entries, sparse], 4, 100) is None

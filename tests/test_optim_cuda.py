@@ -464,6 +464,7 @@ def test_device_masters_stepped_in_pieces_bit_identical(
         opts.append(opt)
         scheds.append(torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5))
     stream = torch.cuda.Stream() if caller_stream else torch.cuda.current_stream()
+    stream.wait_stream(torch.cuda.current_stream())  # the models were built on the default
     losses: list[list[float]] = [[], []]
     with torch.cuda.stream(stream):
         for step in range(10):
@@ -522,3 +523,32 @@ def test_device_pieces_only_for_known_classes(
     assert opts[1]._cast_stream is None
     for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_device_pieces_failure_leaves_no_fp32_gradient() -> None:
+    model = _model(width=256, layers=4, dtype=torch.bfloat16)
+    opt = HybridDeviceOptimizer(
+        model.parameters(), offload_fraction=0.0, param_update_in_fp32=True, **ADAMW
+    )
+    opt._cast_piece_min_numel = 1
+    _train(model, opt, 2)  # the state exists: the next step runs in pieces
+    assert opt._cast_stream is not None
+    device_opt = opt._device_sub.optimizer
+    real_step, calls = device_opt.step, []
+
+    def fail_second(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected failure")
+        return real_step(*args, **kwargs)
+
+    device_opt.step = fail_second
+    _loss(model, 5).backward()
+    with pytest.raises(RuntimeError, match="injected failure"):
+        opt.step()
+    # No master keeps a gradient that a later step would apply without writing it back.
+    assert all(e.inner.grad is None for e in opt._entries if e.master)
+    del device_opt.step
+    opt.zero_grad()
+    _train(model, opt, 1, start=6)  # the next step recovers
+    assert all(torch.isfinite(p).all() for p in model.parameters())

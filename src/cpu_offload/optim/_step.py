@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from cpu_offload._compat import is_current_stream_capturing
+from cpu_offload._compat import OnCudaStream, is_current_stream_capturing
 
 from ._copies import send_grad, step_host_subs
 from ._entries import EarlyCopy, Entry, Sub
@@ -23,7 +23,7 @@ from ._fingerprint import EarlyCopyChecks, fingerprint
 from ._forward_overlap import ForwardOverlap
 from ._stream import StateStream
 
-__all__ = ["HybridStepper", "cast_pieces"]
+__all__ = ["HybridStepper", "device_step_pieces"]
 
 # Optimizers stepped in pieces (NOTE below): exactly these classes, not subclasses, whose
 # step() may do more.
@@ -34,7 +34,7 @@ _PIECEWISE_CLASSES = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 # gradient is first cast to fp32: one memory-bound kernel per parameter, about a quarter
 # of the device step's time (4.1 of 17 ms on workload C at fraction 0). The casts need
 # nothing but the gradients, and the step of one parameter needs only its own cast, so
-# the two can overlap: the masters are cut into a few pieces (:func:`cast_pieces`), every
+# the two can overlap: the masters are cut into a few pieces (device_step_pieces), every
 # cast is queued on a side stream, and the device optimizer steps piece by piece on the
 # current stream, each piece after an event recorded behind its casts. A piece's step
 # runs while the casts of the next ones do.
@@ -43,18 +43,23 @@ _PIECEWISE_CLASSES = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 # waits for it, so that a block the allocator hands out again (last used by work still
 # queued on the current stream) is written only after that work. The gradients are read
 # on the side stream and freed on the current one after the step that waited for their
-# event, so no block is reused before its cast is done. The peak is the one-piece
-# path's: the same fp32 gradients exist at once, and each piece's go once it is stepped.
+# event, so no block is reused before its cast is done; after a failure part-way, the
+# current stream waits for the side stream before anything is freed. The peak is at most
+# the one call's: the same fp32 gradients exist at once, and each piece's are freed as
+# it is stepped.
 #
 # Values: a piece's step is ``optimizer.step()`` with only that piece's masters holding
 # gradients (the optimizer skips parameters whose grad is None), and each parameter is
 # stepped exactly once per step(), by the same kernel: bit-identical to one call. That
 # holds for optimizers whose step updates each parameter from its own gradient and state
-# alone (PyTorch's Adam, AdamW and SGD: step counts and momenta are per parameter); a
-# class that keeps state per group or needs every gradient at once (LBFGS) steps in one
-# call. The device optimizer's other parameters (stepped in place, without a master)
-# would be stepped by every call, so the pieces are used only where every device
-# parameter with a gradient has a master; and not while a CUDA graph is captured.
+# alone: PyTorch's Adam, AdamW and SGD (step counts and momenta are per parameter),
+# without step hooks of their own (they would run once per piece). Another class may
+# keep state per group (Transformer Engine's FusedAdam counts steps in the group) or
+# need every gradient at once (LBFGS, LAMB's global norm): it steps in one call. So do
+# the first step (one call creates all the state before any kernel runs, so a step that
+# runs out of memory leaves nothing stepped), a device optimizer with a parameter
+# stepped in place (no master: every piece's call would step it), and a CUDA graph
+# capture.
 
 
 class HybridStepper(torch.optim.Optimizer):
@@ -270,12 +275,7 @@ class HybridStepper(torch.optim.Optimizer):
     def _step_device(self) -> None:
         sub = self._device_sub
         assert sub is not None
-        pieces = None
-        if type(sub.optimizer) in _PIECEWISE_CLASSES and not is_current_stream_capturing():
-            pieces = cast_pieces(sub.entries, self._cast_pieces, self._cast_piece_min_numel)
-        devices = {e.param.device for piece in pieces or () for e in piece}
-        if len(devices) != 1 or next(iter(devices)).type != "cuda":
-            pieces = None  # one CUDA device: its current stream orders the pieces
+        pieces = self._device_pieces(sub)
         if pieces is None:
             for entry in sub.entries:
                 if entry.master:
@@ -285,40 +285,77 @@ class HybridStepper(torch.optim.Optimizer):
             _write_masters(sub.entries)
             return
         # NOTE [Casting device gradients beside the device step]
-        current = torch.cuda.current_stream(next(iter(devices)))
-        grads = [[_grad_of(e) for e in piece] for piece in pieces]
-        wides = [
-            [
-                torch.empty_like(g, dtype=e.inner.dtype)
-                for e, g in zip(piece, piece_grads, strict=True)
-            ]
-            for piece, piece_grads in zip(pieces, grads, strict=True)
+        device = pieces[0][0].param.device
+        current = torch.cuda.current_stream(device)
+        for entry in sub.entries:
+            if entry.master:
+                entry.inner.grad = None  # only the piece being stepped holds gradients
+        fp32_grads = [
+            [torch.empty_like(_grad_of(e), dtype=e.inner.dtype) for e in piece] for piece in pieces
         ]
-        if self._cast_stream is None or self._cast_stream.device != current.device:
-            self._cast_stream = torch.cuda.Stream(current.device)
+        if self._cast_stream is None or self._cast_stream.device != device:
+            self._cast_stream = torch.cuda.Stream(device)
         cast = self._cast_stream
         cast.wait_stream(current)  # after the allocations above, and after backward
-        events = []
-        with torch.cuda.stream(cast):
-            for piece_grads, piece_wides in zip(grads, wides, strict=True):
-                for grad, wide in zip(piece_grads, piece_wides, strict=True):
-                    wide.copy_(grad)
-                events.append(cast.record_event())
         try:
-            for piece, piece_wides, event in zip(pieces, wides, events, strict=True):
+            events = []
+            with OnCudaStream(cast):
+                for piece, wides in zip(pieces, fp32_grads, strict=True):
+                    for entry, wide in zip(piece, wides, strict=True):
+                        wide.copy_(_grad_of(entry))
+                    events.append(cast.record_event())
+            for piece, event in zip(pieces, events, strict=True):
                 current.wait_event(event)
-                for entry, wide in zip(piece, piece_wides, strict=True):
+                for entry, wide in zip(piece, fp32_grads.pop(0), strict=True):
                     entry.inner.grad = wide
                 sub.optimizer.step()
-                _write_masters(piece)
+                _write_masters(piece)  # frees the piece's fp32 gradients
         finally:
-            # After a failure part-way too: nothing the casts read is freed before them.
+            # After a failure part-way too: nothing the casts read or write is freed
+            # before them, and no master keeps a gradient a later step would apply.
             current.wait_stream(cast)
+            for entry in sub.entries:
+                if entry.master:
+                    entry.inner.grad = None
+
+    def _device_pieces(self, sub: Sub) -> list[list[Entry]] | None:
+        """The pieces of the device step, or None for one call.
+
+        See NOTE [Casting device gradients beside the device step]: pieces only for
+        PyTorch's Adam, AdamW and SGD without step hooks of their own, once every
+        stepped master has its state (so that a first step that runs out of memory
+        leaves nothing stepped, as one call does), on one CUDA device that is not
+        capturing a graph.
+        """
+        optimizer = sub.optimizer
+        if type(optimizer) not in _PIECEWISE_CLASSES or _has_step_hooks(optimizer):
+            return None
+        pieces = device_step_pieces(sub.entries, self._cast_pieces, self._cast_piece_min_numel)
+        if pieces is None:
+            return None
+        stepped = [e for piece in pieces for e in piece]
+        devices = {e.param.device for e in stepped}
+        if len(devices) != 1 or next(iter(devices)).type != "cuda":
+            return None
+        if not all(optimizer.state.get(e.inner) for e in stepped):
+            return None
+        with torch.cuda.device(next(iter(devices))):
+            if is_current_stream_capturing():
+                return None
+        return pieces
+
+
+def _has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    # Hooks of this optimizer would run once per piece instead of once per step.
+    return bool(
+        getattr(optimizer, "_optimizer_step_pre_hooks", None)
+        or getattr(optimizer, "_optimizer_step_post_hooks", None)
+    )
 
 
 def _grad_of(entry: Entry) -> torch.Tensor:
     grad = entry.param.grad
-    assert grad is not None  # cast_pieces keeps only entries with a gradient
+    assert grad is not None  # device_step_pieces keeps only entries with a gradient
     return grad
 
 
@@ -333,36 +370,42 @@ def _write_masters(entries: list[Entry]) -> None:
             entry.inner.grad = None
 
 
-def cast_pieces(entries: list[Entry], pieces: int, min_numel: int) -> list[list[Entry]] | None:
+def device_step_pieces(
+    entries: list[Entry], pieces: int, min_numel: int
+) -> list[list[Entry]] | None:
     """The device optimizer's masters cut into pieces stepped one after another.
 
     See NOTE [Casting device gradients beside the device step]. Entries keep their order
-    and stay whole; pieces hold about equal numbers of elements, at most ``pieces`` of
-    them and at least ``min_numel`` elements each.
+    and stay whole. The pieces hold about equal numbers of elements: at most ``pieces``
+    of them, each of at least ``min_numel`` elements (a short remainder joins the piece
+    before it).
 
     Returns:
         The pieces of the entries whose parameters have a gradient, or None where one
         piece would do (too few elements) or pieces are not allowed (a parameter with a
-        gradient and no master, or a gradient of a dtype other than its parameter's).
+        gradient and no master, or a gradient that is not a dense tensor).
     """
     stepped = []
     for entry in entries:
         grad = entry.param.grad
         if grad is None:
             continue
-        if not entry.master or grad.dtype != entry.param.dtype or grad.is_sparse:
+        if not entry.master or grad.layout != torch.strided:
             return None
         stepped.append(entry)
     total = sum(e.param.numel() for e in stepped)
     count = min(pieces, total // max(min_numel, 1))
     if count < 2:
         return None
+    share = total / count  # at least min_numel
     out: list[list[Entry]] = [[]]
-    done = 0
+    numel = 0  # elements in out[-1]
     for entry in stepped:
-        # Start the next piece once this one holds its share of the elements.
-        if out[-1] and done >= total * len(out) / count and len(out) < count:
+        if numel >= share:
             out.append([])
+            numel = 0
         out[-1].append(entry)
-        done += entry.param.numel()
+        numel += entry.param.numel()
+    if len(out) > 1 and numel < min_numel:
+        out[-2].extend(out.pop())
     return out if len(out) > 1 else None
