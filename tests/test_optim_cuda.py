@@ -443,6 +443,27 @@ def test_lr_scheduler_on_gpu() -> None:
     _close(model, ref)
 
 
+def _pieces_and_one_call(
+    fraction: float, cls: type = torch.optim.AdamW, kwargs: dict[str, Any] = ADAMW
+) -> tuple[list[torch.nn.Module], list[HybridDeviceOptimizer]]:
+    """Two equal bf16 models with two param groups, and their optimizers: the first steps
+    its device part in pieces wherever they are allowed, the second in one call."""
+    models = [_model(width=256, layers=4, dtype=torch.bfloat16) for _ in range(2)]
+    opts = []
+    for model, min_numel in zip(models, (1, 1 << 40), strict=True):
+        opt = HybridDeviceOptimizer(
+            _groups(model, two_groups=True),
+            offload_fraction=fraction,
+            param_update_in_fp32=True,
+            cpu_optimizer_cls=cls,
+            gpu_optimizer_cls=cls,
+            **kwargs,
+        )
+        opt._cast_piece_min_numel = min_numel
+        opts.append(opt)
+    return models, opts
+
+
 @pytest.mark.parametrize("caller_stream", [False, True])
 @pytest.mark.parametrize("fraction", [0.0, 0.5])
 def test_device_masters_stepped_in_pieces_bit_identical(
@@ -451,18 +472,8 @@ def test_device_masters_stepped_in_pieces_bit_identical(
     """NOTE [Casting device gradients beside the device step]: the fp32 gradients cast on a
     side stream and the device optimizer stepped piece by piece give the bits of one
     call, over 10 steps with two param groups, a scheduler, clipping and accumulation."""
-    models = [_model(width=256, layers=4, dtype=torch.bfloat16) for _ in range(2)]
-    opts, scheds = [], []
-    for model, min_numel in zip(models, (1, 1 << 40), strict=True):
-        opt = HybridDeviceOptimizer(
-            _groups(model, two_groups=True),
-            offload_fraction=fraction,
-            param_update_in_fp32=True,
-            **ADAMW,
-        )
-        opt._cast_piece_min_numel = min_numel  # 1: four pieces; 2**40: one call
-        opts.append(opt)
-        scheds.append(torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5))
+    models, opts = _pieces_and_one_call(fraction)
+    scheds = [torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5) for opt in opts]
     stream = torch.cuda.Stream() if caller_stream else torch.cuda.current_stream()
     stream.wait_stream(torch.cuda.current_stream())  # the models were built on the default
     losses: list[list[float]] = [[], []]
@@ -505,19 +516,8 @@ class _AdamWSubclass(torch.optim.AdamW):
 def test_device_pieces_only_for_known_classes(
     cls: type, kwargs: dict[str, Any], pieces: bool
 ) -> None:
-    models = [_model(width=256, layers=4, dtype=torch.bfloat16) for _ in range(2)]
-    opts = []
-    for model, min_numel in zip(models, (1, 1 << 40), strict=True):
-        opt = HybridDeviceOptimizer(
-            model.parameters(),
-            offload_fraction=0.0,
-            param_update_in_fp32=True,
-            cpu_optimizer_cls=cls,
-            gpu_optimizer_cls=cls,
-            **kwargs,
-        )
-        opt._cast_piece_min_numel = min_numel  # 1: pieces where allowed; 2**40: one call
-        opts.append(opt)
+    models, opts = _pieces_and_one_call(0.0, cls, kwargs)
+    for model, opt in zip(models, opts, strict=True):
         _train(model, opt, 3)
     assert (opts[0]._cast_stream is not None) == pieces
     assert opts[1]._cast_stream is None
@@ -526,11 +526,7 @@ def test_device_pieces_only_for_known_classes(
 
 
 def test_device_pieces_failure_leaves_no_fp32_gradient() -> None:
-    model = _model(width=256, layers=4, dtype=torch.bfloat16)
-    opt = HybridDeviceOptimizer(
-        model.parameters(), offload_fraction=0.0, param_update_in_fp32=True, **ADAMW
-    )
-    opt._cast_piece_min_numel = 1
+    (model, _), (opt, _) = _pieces_and_one_call(0.0)
     _train(model, opt, 2)  # the state exists: the next step runs in pieces
     assert opt._cast_stream is not None
     device_opt = opt._device_sub.optimizer
