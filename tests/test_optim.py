@@ -990,3 +990,141 @@ def test_device_step_pieces_only_where_they_change_nothing() -> None:
     sparse = _master_entry(100)
     sparse.param.grad = torch.ones(100, dtype=torch.bfloat16).to_sparse()
     assert device_step_pieces([*entries, sparse], 4, 100) is None
+
+
+class _FakeStream:
+    """Stands in for a CUDA stream on the CPU: logs what is queued on it."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, name: str, log: list[str]) -> None:
+        self.name, self.log = name, log
+
+    def wait_stream(self, other: _FakeStream) -> None:
+        self.log.append(f"{self.name} waits for {other.name}")
+
+    def wait_event(self, event: str) -> None:
+        self.log.append(f"{self.name} waits for {event}")
+
+    def record_event(self) -> str:
+        event = f"event {sum(e.startswith(self.name + ' records') for e in self.log)}"
+        self.log.append(f"{self.name} records {event}")
+        return event
+
+
+def _fake_cuda_streams(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Run the piecewise device step on CPU tensors, logging its streams' work in order.
+
+    The casts are logged as ``cast`` inside the side stream's block; the device
+    optimizer's steps as ``step``.
+    """
+    import contextlib
+
+    import cpu_offload.optim._step as step_module
+
+    log: list[str] = []
+    current, side = _FakeStream("current", log), _FakeStream("side", log)
+
+    @contextlib.contextmanager
+    def on_stream(stream: _FakeStream):  # type: ignore[no-untyped-def]
+        log.append(f"on {stream.name}")
+        yield
+        log.append(f"off {stream.name}")
+
+    monkeypatch.setattr(step_module, "_one_cuda_device", lambda entries: torch.device("cpu"))
+    monkeypatch.setattr(step_module, "OnCudaStream", on_stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: side)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    return log
+
+
+def _bf16_pair(min_numels: tuple[int, int]) -> tuple[list[torch.nn.Module], list[Any]]:
+    models = []
+    for _ in min_numels:
+        torch.manual_seed(0)
+        models.append(torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(4))).bfloat16())
+    opts = []
+    for model, min_numel in zip(models, min_numels, strict=True):
+        params = list(model.parameters())
+        opt = HybridDeviceOptimizer(
+            [{"params": params[:3]}, {"params": params[3:], "lr": 3e-4, "weight_decay": 0.0}],
+            offload_fraction=0.0,
+            param_update_in_fp32=True,
+            is_device_param=lambda p: True,
+            **ADAMW,
+        )
+        opt._cast_piece_min_numel = min_numel
+        opts.append(opt)
+    return models, opts
+
+
+def _logged_steps(
+    model: torch.nn.Module, opt: Any, log: list[str], steps: int, start: int = 0
+) -> None:
+    device_opt = opt._device_sub.optimizer
+    device_opt.__dict__.pop("step", None)  # wrapped by an earlier call
+    real_step = device_opt.step
+
+    def logged_step(*args: Any, **kwargs: Any) -> Any:
+        log.append("step")
+        return real_step(*args, **kwargs)
+
+    device_opt.step = logged_step
+    for i in range(start, start + steps):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(i)).bfloat16()
+        model(x).float().square().mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-2)
+        opt.step()
+        opt.zero_grad()
+
+
+def test_device_step_in_pieces_order_and_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [Casting device gradients beside the device step], on the CPU with logged
+    stand-in streams: the order of the waits, and the bits of one call."""
+    log = _fake_cuda_streams(monkeypatch)
+    (model, ref), (opt, one) = _bf16_pair((1, 1 << 40))
+    _logged_steps(model, opt, log, 1)
+    assert log == ["step"]  # the first step creates the state in one call
+    log.clear()
+    _logged_steps(model, opt, log, 1, start=1)
+    assert log == [
+        "side waits for current",  # after backward and the fp32 gradients' allocation
+        "on side",
+        "side records event 0",
+        "side records event 1",
+        "side records event 2",
+        "side records event 3",
+        "off side",
+        *[entry for i in range(4) for entry in (f"current waits for event {i}", "step")],
+        "current waits for side",
+    ]
+    _logged_steps(model, opt, log, 2, start=2)
+    _logged_steps(ref, one, [], 4)
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(a, b)
+    for pa, pb in zip(model.parameters(), ref.parameters(), strict=True):
+        for key, value in opt.state[pa].items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(one.state[pb][key])), key
+
+
+def test_device_step_in_pieces_failure_clears_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
+    log = _fake_cuda_streams(monkeypatch)
+    (model, _), (opt, _) = _bf16_pair((1, 1 << 40))
+    _logged_steps(model, opt, log, 1)
+    device_opt = opt._device_sub.optimizer
+    real_step, calls = device_opt.step, []
+
+    def fail_second(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected failure")
+        return real_step(*args, **kwargs)
+
+    device_opt.step = fail_second
+    log.clear()
+    model(torch.ones(4, 16).bfloat16()).float().sum().backward()
+    with pytest.raises(RuntimeError, match="injected failure"):
+        opt.step()
+    assert log[-1] == "current waits for side"  # before anything the casts use is freed
+    assert all(e.inner.grad is None for e in opt._entries if e.master)

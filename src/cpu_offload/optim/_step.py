@@ -334,15 +334,20 @@ class HybridStepper(torch.optim.Optimizer):
         if pieces is None:
             return None
         stepped = [e for piece in pieces for e in piece]
-        devices = {e.param.device for e in stepped}
-        if len(devices) != 1 or next(iter(devices)).type != "cuda":
+        device = _one_cuda_device(stepped)
+        if device is None or not all(optimizer.state.get(e.inner) for e in stepped):
             return None
-        if not all(optimizer.state.get(e.inner) for e in stepped):
-            return None
-        with torch.cuda.device(next(iter(devices))):
+        with torch.cuda.device(device):
             if is_current_stream_capturing():
                 return None
         return pieces
+
+
+def _one_cuda_device(entries: list[Entry]) -> torch.device | None:
+    """The CUDA device of all ``entries``' parameters; None if they are not on one."""
+    devices = {e.param.device for e in entries}
+    device = devices.pop() if len(devices) == 1 else None
+    return device if device is not None and device.type == "cuda" else None
 
 
 def _has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
