@@ -177,3 +177,19 @@ class ReloadOrderRecorder:
         for queued in self.queued:
             read = sorted(queued, key=lambda u: self.first_reads.get(u, last))
             assert queued == read, "copies back not queued in the order backward read them"
+
+
+def fail_on_call(obj: object, name: str, call: int) -> None:
+    """Make ``obj.name`` raise ``RuntimeError("injected failure")`` on its ``call``-th call.
+
+    The other calls run the method; ``del obj.name`` restores it.
+    """
+    real, calls = getattr(obj, name), []
+
+    def failing(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        if len(calls) == call:
+            raise RuntimeError("injected failure")
+        return real(*args, **kwargs)
+
+    setattr(obj, name, failing)

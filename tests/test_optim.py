@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import fail_on_call
 
 from cpu_offload.optim import (
     HybridDeviceOptimizer,
@@ -1113,15 +1114,7 @@ def test_device_step_in_pieces_failure_clears_gradients(monkeypatch: pytest.Monk
     (model, _), (opt, _) = _bf16_pair((1, 1 << 40))
     _logged_steps(model, opt, log, 1)
     device_opt = opt._device_sub.optimizer
-    real_step, calls = device_opt.step, []
-
-    def fail_second(*args: Any, **kwargs: Any) -> Any:
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("injected failure")
-        return real_step(*args, **kwargs)
-
-    device_opt.step = fail_second
+    fail_on_call(device_opt, "step", 2)  # the second piece fails
     log.clear()
     model(torch.ones(4, 16).bfloat16()).float().sum().backward()
     with pytest.raises(RuntimeError, match="injected failure"):

@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import fail_on_call
 
 from cpu_offload.optim import HybridDeviceOptimizer, optimizer_device_state_bytes
 
@@ -530,15 +531,7 @@ def test_device_pieces_failure_leaves_no_fp32_gradient() -> None:
     _train(model, opt, 2)  # the state exists: the next step runs in pieces
     assert opt._cast_stream is not None
     device_opt = opt._device_sub.optimizer
-    real_step, calls = device_opt.step, []
-
-    def fail_second(*args: Any, **kwargs: Any) -> Any:
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("injected failure")
-        return real_step(*args, **kwargs)
-
-    device_opt.step = fail_second
+    fail_on_call(device_opt, "step", 2)  # the second piece fails
     _loss(model, 5).backward()
     with pytest.raises(RuntimeError, match="injected failure"):
         opt.step()
