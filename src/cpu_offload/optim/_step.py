@@ -287,9 +287,7 @@ class HybridStepper(torch.optim.Optimizer):
         # NOTE [Casting device gradients beside the device step]
         device = pieces[0][0].param.device
         current = torch.cuda.current_stream(device)
-        for entry in sub.entries:
-            if entry.master:
-                entry.inner.grad = None  # only the piece being stepped holds gradients
+        _drop_master_grads(sub.entries)  # only the piece being stepped holds gradients
         fp32_grads = [
             [torch.empty_like(_grad_of(e), dtype=e.inner.dtype) for e in piece] for piece in pieces
         ]
@@ -314,9 +312,7 @@ class HybridStepper(torch.optim.Optimizer):
             # After a failure part-way too: nothing the casts read or write is freed
             # before them, and no master keeps a gradient a later step would apply.
             current.wait_stream(cast)
-            for entry in sub.entries:
-                if entry.master:
-                    entry.inner.grad = None
+            _drop_master_grads(sub.entries)
 
     def _device_pieces(self, sub: Sub) -> list[list[Entry]] | None:
         """The pieces of the device step, or None for one call.
@@ -362,6 +358,12 @@ def _grad_of(entry: Entry) -> torch.Tensor:
     grad = entry.param.grad
     assert grad is not None  # device_step_pieces keeps only entries with a gradient
     return grad
+
+
+def _drop_master_grads(entries: list[Entry]) -> None:
+    for entry in entries:
+        if entry.master:
+            entry.inner.grad = None
 
 
 def _write_masters(entries: list[Entry]) -> None:
