@@ -146,6 +146,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="with --peer: alternating rounds of every side-by-side row (default 3)",
     )
     parser.add_argument(
+        "--megatron-arguments-only",
+        action="store_true",
+        help="with --peer: of ours, run only the row with Megatron's arguments (more rounds "
+        "in the same time, to compare the two classes as a user who switches would)",
+    )
+    parser.add_argument(
         "--side-by-side-only",
         action="store_true",
         help="with --peer: skip the rows measured step by step and the host AdamW timings",
@@ -389,6 +395,9 @@ def side_by_side(
                     },
                 )
             )
+    if args.megatron_arguments_only:
+        # Megatron's arguments: none of ours' own options beyond the gradient copies'.
+        ours_variants = [(n, e) for n, e in ours_variants if set(e) <= {"early_grad_copy"}]
     rows: list[dict[str, Any]] = []
     settings = [(0.0, True)] + [(f, o) for f in args.fraction_list for o in (True, False)]
     for fraction, overlap in settings:
