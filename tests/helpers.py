@@ -127,11 +127,13 @@ class StepTensors(TorchDispatchMode):
         return out
 
     def live_bytes(self, model: nn.Module) -> int:
-        """Bytes of the storages of :meth:`alive` tensors, each storage once."""
+        """Bytes of the storages of :meth:`alive` tensors, each storage once, those of the
+        model's parameters left out (a linear layer saves a transposed view of its weight)."""
+        params = {p.untyped_storage()._cdata for p in model.parameters()}
         storages = {
             t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in self.alive(model)
         }
-        return sum(storages.values())
+        return sum(n for key, n in storages.items() if key not in params)
 
 
 class ReloadOrderRecorder:

@@ -6,6 +6,7 @@ every tensor the step creates: after backward, none may be alive but the gradien
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import io
@@ -20,7 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from cpu_offload import HostTransport, offload_layers
-from cpu_offload.plan import Choice, Plan, apply_plan
+from cpu_offload.plan import Choice, Plan, apply_plan, profile_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -119,6 +120,38 @@ def test_recomputed_stateful_blocks_keep_nothing_after_backward(plan: str) -> No
     assert torch.equal(loss, want_loss)
     for g, w in zip(grads, want_grads, strict=True):
         assert torch.equal(g, w)
+
+
+def _live_after_forward(model: nn.Module, plan: str | None) -> int:
+    """Bytes the forward of one step leaves alive for backward, under ``plan`` or none."""
+    choices = tuple(Choice({"K": "keep", "R": "recompute"}[c]) for c in plan or "")
+    with contextlib.ExitStack() as stack:
+        if plan is not None:
+            stack.enter_context(
+                apply_plan(model, Plan(choices, 1, 0.0, 0), transport=HostTransport())
+            )
+        model.zero_grad(set_to_none=True)
+        with StepTensors() as live:
+            loss = model(_input()).square().mean()
+            kept = live.live_bytes(model)
+            loss.backward()
+    return kept
+
+
+@pytest.mark.parametrize("plan", ["RRRR", "RKRK", "KKKR"])
+def test_recomputed_stateful_blocks_keep_what_the_profile_models(plan: str) -> None:
+    # A recomputed layer keeps its input and drops the rest of what it saves, as the
+    # planner's model counts it; a stopped recomputation would keep the layer's state.
+    model = _stack(StatefulBlock)
+    x = _input()
+    profile = profile_model(model, lambda: model(x).square().mean(), steps=1)
+    modelled = sum(
+        cost.saved_bytes - cost.input_bytes
+        for cost, choice in zip(profile.layers, plan, strict=True)
+        if choice == "R"
+    )
+    assert modelled > 0
+    assert _live_after_forward(model, None) - _live_after_forward(model, plan) == modelled
 
 
 def test_early_stop_is_what_kept_the_state() -> None:
