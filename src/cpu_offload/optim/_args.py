@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -61,6 +62,20 @@ def check_optimizer_cls(
             f"{name} must be a torch.optim.Optimizer subclass (e.g. torch.optim.AdamW) or "
             f"None, got {cls!r}"
         )
+    if cls is torch.optim.Optimizer:
+        raise TypeError(
+            f"{name} must be a concrete optimizer class (e.g. torch.optim.AdamW), not the "
+            "base class torch.optim.Optimizer"
+        )
+    closure = inspect.signature(cls.step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        # LBFGS re-evaluates the model inside step(); the sub-optimizers are stepped
+        # with no closure, each over part of the parameters.
+        raise TypeError(
+            f"{name}={cls.__name__}: its step() needs a closure that re-evaluates the "
+            "model, which HybridDeviceOptimizer cannot give a part of the parameters; use "
+            "an optimizer whose step() takes no closure (AdamW, Adam, SGD, ...)"
+        )
     return cls
 
 
@@ -69,15 +84,46 @@ def pop_flag(defaults: dict[str, Any], name: str, default: bool) -> bool:
     return check_bool(name, defaults.pop(name, default))
 
 
+class _CheckedPredicate:
+    """A user's predicate whose every answer must be a bool (a string would be truthy)."""
+
+    def __init__(self, name: str, predicate: Callable[[torch.Tensor], bool]) -> None:
+        self.name = name
+        self.predicate = predicate
+
+    def __call__(self, tensor: torch.Tensor) -> bool:
+        answer = self.predicate(tensor)
+        if not isinstance(answer, bool):
+            raise TypeError(
+                f"{self.name} must return a bool (True or False), got "
+                f"{type(answer).__name__} {answer!r} for a tensor of shape "
+                f"{tuple(tensor.shape)}"
+            )
+        return answer
+
+
 def pop_predicate(defaults: dict[str, Any], name: str) -> Callable[[torch.Tensor], bool] | None:
-    """Take the callable keyword ``name`` (or None) out of ``defaults``."""
+    """Take the callable keyword ``name`` (or None) out of ``defaults``; its answers are
+    checked to be bools when it is called."""
     value = defaults.pop(name, None)
-    if value is not None and not callable(value):
+    if value is None:
+        return None
+    if not callable(value):
         raise TypeError(
             f"{name} must be a callable taking a tensor and returning a bool, "
             f"or None, got {type(value).__name__}"
         )
-    return value  # type: ignore[no-any-return]
+    return _CheckedPredicate(name, value)
+
+
+def _refuse_set(name: str, params: object) -> None:
+    # As torch.optim does: the order of a set changes from run to run, and with it which
+    # parameters are offloaded and the state_dict's indices.
+    if isinstance(params, (set, frozenset)):
+        raise TypeError(
+            f"{name} is a set: its order changes from run to run, and with it which "
+            "parameters are offloaded and the state_dict's indices; pass a list"
+        )
 
 
 def materialize(params: ParamsT) -> list[Any]:
@@ -87,11 +133,13 @@ def materialize(params: ParamsT) -> list[Any]:
             "params must be an iterable of tensors or param-group dicts, got a single "
             f"{torch.typename(params)}"
         )
+    _refuse_set("params", params)
     items = list(params)
     count = 0
     for i, item in enumerate(items):
         if isinstance(item, Mapping):
             group_params = item.get("params", [])
+            _refuse_set(f"params[{i}]['params']", group_params)
             if not isinstance(group_params, torch.Tensor):
                 # A generator (model.parameters()) can be read once: keep the list.
                 group_params = list(group_params)

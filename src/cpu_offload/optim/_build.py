@@ -136,7 +136,9 @@ class HybridBuilder(HybridStepper):
             else None
         )
         device_entries = [e for e in entries if not e.host]
-        host_kwargs = side_kwargs(self.sub_optimizer_kwargs, self.cpu_optimizer_cls, "cpu")
+        host_kwargs = side_kwargs(
+            self.sub_optimizer_kwargs, self.cpu_optimizer_cls, "cpu", host_entries
+        )
         buckets = bucket_entries(
             host_entries, self.overlap_cpu_optimizer_d2h_h2d or self._overlap is not None
         )
@@ -147,7 +149,7 @@ class HybridBuilder(HybridStepper):
         if device_entries:
             device_type = device_entries[0].param.device.type
             device_kwargs = side_kwargs(
-                self.sub_optimizer_kwargs, self.gpu_optimizer_cls, device_type
+                self.sub_optimizer_kwargs, self.gpu_optimizer_cls, device_type, device_entries
             )
             self._device_sub = make_sub(
                 self.gpu_optimizer_cls, device_entries, self.param_groups, device_kwargs

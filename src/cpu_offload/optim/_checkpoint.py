@@ -8,7 +8,7 @@ its sub-optimizer steps (:func:`place_state_value`).
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from copy import deepcopy
 from typing import Any
 
@@ -17,6 +17,8 @@ import torch
 from ._entries import Entry
 
 __all__ = [
+    "run_load_hooks",
+    "run_state_dict_hooks",
     "adopt_param_writes",
     "install_state",
     "match_loaded_groups",
@@ -147,18 +149,76 @@ def install_state(
         entry.optimizer.state[entry.inner] = new_state
 
 
-def state_view(entries: Sequence[Entry]) -> defaultdict[torch.Tensor, dict[str, Any]]:
+class StateView(defaultdict):  # type: ignore[type-arg]
+    """``HybridDeviceOptimizer.state``: each parameter's live sub-optimizer state.
+
+    Read as PyTorch's optimizers' ``state``; the state tensors are the live ones, so an
+    in-place change reaches the optimizer. Dropping a parameter's entry (``del``,
+    ``pop``, ``clear()``, or assigning ``{}``) drops its sub-optimizer's state, so that
+    the next step starts it afresh, as it does for PyTorch's optimizers. Assigning a
+    non-empty dict is refused: :meth:`~HybridDeviceOptimizer.load_state_dict` places
+    state on the side each parameter is stepped on.
+    """
+
+    def __init__(self, entries: Sequence[Entry]) -> None:
+        super().__init__(dict)
+        self._entries = {entry.param: entry for entry in entries}
+        for entry in entries:
+            assert entry.optimizer is not None
+            sub_state = entry.optimizer.state.get(entry.inner)
+            if not sub_state:
+                continue
+            if entry.master:
+                sub_state["master_param"] = entry.inner
+            super().__setitem__(entry.param, sub_state)
+
+    def _drop(self, key: Any) -> None:
+        entry = self._entries.get(key)
+        if entry is not None and entry.optimizer is not None:
+            entry.optimizer.state.pop(entry.inner, None)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if value is not self.get(key):
+            if value:
+                raise TypeError(
+                    "HybridDeviceOptimizer.state: assign {} (or del) to reset a parameter's "
+                    "state; to set state, load it with load_state_dict()"
+                )
+            self._drop(key)
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: Any) -> None:
+        super().__delitem__(key)
+        self._drop(key)
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        if key in self:
+            self._drop(key)
+        return super().pop(key, *default)
+
+    def popitem(self) -> tuple[Any, Any]:
+        key, value = super().popitem()
+        self._drop(key)
+        return key, value
+
+    def clear(self) -> None:
+        for key in list(self):
+            self._drop(key)
+        super().clear()
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        if key not in self:
+            self[key] = {} if default is None else default
+        return self[key]
+
+
+def state_view(entries: Sequence[Entry]) -> StateView:
     """Each parameter's live sub-optimizer state, with ``master_param`` for fp32 masters."""
-    state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
-    for entry in entries:
-        assert entry.optimizer is not None
-        sub_state = entry.optimizer.state.get(entry.inner)
-        if not sub_state:
-            continue
-        if entry.master:
-            sub_state["master_param"] = entry.inner
-        state[entry.param] = sub_state
-    return state
+    return StateView(entries)
 
 
 @torch.no_grad()
@@ -178,3 +238,37 @@ def adopt_param_writes(entries: Sequence[Entry]) -> None:
         if not (entry.master and torch.equal(param, entry.inner.to(param.device, param.dtype))):
             entry.inner.copy_(param)
         entry.note_param_written()
+
+
+def run_state_dict_hooks(
+    optimizer: torch.optim.Optimizer, make: Callable[[], dict[str, Any]]
+) -> dict[str, Any]:
+    """``make()`` between the hooks of ``optimizer.register_state_dict_pre_hook`` and
+    ``register_state_dict_post_hook``, as ``torch.optim.Optimizer.state_dict`` runs them
+    (a post hook may return a state dict that replaces it)."""
+    for pre in getattr(optimizer, "_optimizer_state_dict_pre_hooks", {}).values():
+        pre(optimizer)
+    state_dict = make()
+    for post in getattr(optimizer, "_optimizer_state_dict_post_hooks", {}).values():
+        result = post(optimizer, state_dict)
+        if result is not None:
+            state_dict = result
+    return state_dict
+
+
+def run_load_hooks(
+    optimizer: torch.optim.Optimizer,
+    state_dict: Mapping[str, Any],
+    load: Callable[[Mapping[str, Any]], None],
+) -> None:
+    """``load(state_dict)`` between the hooks of ``register_load_state_dict_pre_hook`` and
+    ``register_load_state_dict_post_hook``, as ``torch.optim.Optimizer.load_state_dict``
+    runs them (on a shallow copy; a pre hook may return a state dict that replaces it)."""
+    state_dict = dict(state_dict)
+    for pre in getattr(optimizer, "_optimizer_load_state_dict_pre_hooks", {}).values():
+        result = pre(optimizer, state_dict)
+        if result is not None:
+            state_dict = result
+    load(state_dict)
+    for post in getattr(optimizer, "_optimizer_load_state_dict_post_hooks", {}).values():
+        post(optimizer)

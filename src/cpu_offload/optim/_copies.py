@@ -104,6 +104,27 @@ def send_grad(
     return event, widened
 
 
+def check_dense_grads(entries: Sequence[Entry]) -> None:
+    """Refuse, before any parameter is stepped, a sparse gradient that would be copied.
+
+    An offloaded parameter's gradient travels into a dense host buffer (and a streamed
+    one's is stepped by a dense kernel); a sparse one would fail there, half-way through
+    the step, after the device side was stepped.
+
+    Raises:
+        RuntimeError: Naming the parameter (its index in param-group order).
+    """
+    for index, entry in enumerate(entries):
+        grad = entry.param.grad
+        if entry.offloaded and grad is not None and grad.layout != torch.strided:
+            raise RuntimeError(
+                f"HybridDeviceOptimizer: parameter {index} (in param-group order) is "
+                f"offloaded and has a {grad.layout} gradient; offloaded parameters need "
+                "dense gradients. Make its gradient dense, or keep it out of the offloaded "
+                "part (a lower offload_fraction, or is_device_param)"
+            )
+
+
 def take_host_grad(entry: Entry) -> None:
     """Wait for the entry's gradient on the host and hand it to its host optimizer."""
     if not entry.offloaded:

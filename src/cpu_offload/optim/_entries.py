@@ -205,15 +205,20 @@ def bucket_entries(host_entries: Sequence[Entry], bucketed: bool) -> list[list[E
 
 
 def side_kwargs(
-    defaults: Mapping[str, Any], cls: type[torch.optim.Optimizer], device_type: str
+    defaults: Mapping[str, Any],
+    cls: type[torch.optim.Optimizer],
+    device_type: str,
+    entries: Iterable[Entry] = (),
 ) -> dict[str, Any]:
-    """Sub-optimizer keyword arguments: ``defaults``, fused where nothing else is asked."""
+    """Sub-optimizer keyword arguments: ``defaults``, fused where nothing else is asked
+    and the fused kernels take every tensor stepped (real floating point, not complex)."""
     kwargs = dict(defaults)
     if (
         cls in _FUSABLE_CLASSES
         and "fused" not in kwargs
         and "foreach" not in kwargs
         and fused_optimizer_supported(device_type)
+        and all(e.inner.dtype.is_floating_point for e in entries)
     ):
         kwargs["fused"] = True
     return kwargs

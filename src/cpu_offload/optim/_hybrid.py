@@ -44,7 +44,14 @@ from ._args import (
     resolve_param_copy_dtype,
 )
 from ._build import HybridBuilder, remove_hooks
-from ._checkpoint import adopt_param_writes, match_loaded_groups, pack_state_dict
+from ._checkpoint import (
+    adopt_param_writes,
+    match_loaded_groups,
+    pack_state_dict,
+    run_load_hooks,
+    run_state_dict_hooks,
+)
+from ._copies import check_dense_grads
 from ._entries import CopyDtype, Entry, EntryFactory, Sub
 from ._forward_overlap import ForwardOverlap
 from ._split import check_offload_fraction, is_device_tensor, warn_if_nothing_can_be_offloaded
@@ -314,8 +321,20 @@ class HybridDeviceOptimizer(HybridBuilder):
 
         Args:
             param_group: ``{"params": [...], **hyperparameters}`` as for any optimizer.
+
+        Raises:
+            ValueError: If a parameter appears twice in the group (PyTorch's optimizers
+                only warn and step it twice; offloaded, it would have two host copies),
+                or in another group too.
         """
         super().add_param_group(param_group)
+        added = self.param_groups[-1]["params"]
+        if len({id(p) for p in added}) != len(added):
+            self.param_groups.pop()
+            raise ValueError(
+                "a param group lists a parameter twice; list each parameter once (an "
+                "offloaded parameter has one host copy and is stepped once per step())"
+            )
         if getattr(self, "_entries", None):
             # After construction: the split depends on all groups, so rebuild it; each
             # parameter's state moves to its (possibly new) side.
@@ -347,6 +366,7 @@ class HybridDeviceOptimizer(HybridBuilder):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        check_dense_grads(self._entries)
         self._sync_hyperparameters()
         adopt_param_writes(self._entries)
         if self._overlap is not None and self._overlap.learning:
@@ -455,12 +475,17 @@ class HybridDeviceOptimizer(HybridBuilder):
             indices counting parameters in param-group order. State tensors are the live
             ones (as for PyTorch's optimizers): host tensors for offloaded parameters,
             device tensors for the others, plus ``master_param`` (the fp32 master copy)
-            for parameters updated through one.
+            for parameters updated through one. Hooks registered with
+            ``register_state_dict_pre_hook`` / ``_post_hook`` run as for PyTorch's.
         """
-        self.synchronize()
-        adopt_param_writes(self._entries)
-        self._refresh_state()
-        return pack_state_dict(self.param_groups, self.state)
+
+        def make() -> dict[str, Any]:
+            self.synchronize()
+            adopt_param_writes(self._entries)
+            self._refresh_state()
+            return pack_state_dict(self.param_groups, self.state)
+
+        return run_state_dict_hooks(self, make)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a state dict of this class or of a plain optimizer of the same class.
@@ -471,12 +496,24 @@ class HybridDeviceOptimizer(HybridBuilder):
         refreshed from the current parameters, then from ``master_param`` where the
         state dict has it (exact resume of a lower-precision model). Tensors are copied.
 
+        Hooks registered with ``register_load_state_dict_pre_hook`` / ``_post_hook`` run
+        as for PyTorch's. A load that fails leaves the optimizer as it was.
+
         Args:
             state_dict: From :meth:`state_dict` here or of a plain optimizer.
 
         Raises:
             ValueError: If the groups or their sizes do not match this optimizer's.
         """
-        self.synchronize()
-        self.param_groups, by_param = match_loaded_groups(self.param_groups, state_dict)
-        self._build(by_param)
+        run_load_hooks(self, state_dict, self._load)
+
+    def _load(self, state_dict: Mapping[str, Any]) -> None:
+        before = self._state_by_param()  # synchronizes first
+        groups = self.param_groups
+        self.param_groups, by_param = match_loaded_groups(groups, state_dict)
+        try:
+            self._build(by_param)
+        except BaseException:
+            self.param_groups = groups
+            self._build(before)
+            raise

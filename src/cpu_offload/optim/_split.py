@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -67,14 +68,15 @@ def check_offload_fraction(offload_fraction: Any, name: str = "offload_fraction"
         ``float(offload_fraction)``.
 
     Raises:
-        TypeError: If it is not an int or float (``bool`` is refused).
+        TypeError: If it is not a real number (``bool`` is refused).
         ValueError: If it is NaN or outside ``[0.0, 1.0]``.
 
     Example:
         >>> check_offload_fraction(1)
         1.0
     """
-    if isinstance(offload_fraction, bool) or not isinstance(offload_fraction, (int, float)):
+    # numbers.Real: NumPy scalars too (np.float32 is no Python float).
+    if isinstance(offload_fraction, bool) or not isinstance(offload_fraction, numbers.Real):
         raise TypeError(
             f"{name} must be a float in [0.0, 1.0], got {type(offload_fraction).__name__} "
             f"{offload_fraction!r}"

@@ -42,7 +42,6 @@ that, whatever the chunking.
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,8 +69,6 @@ def check_stream_share(value: Any, cpu_optimizer_cls: type[torch.optim.Optimizer
 
     A positive share also needs a host optimizer class from :data:`STREAMABLE_CLASSES`.
     """
-    if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        value = float(value)  # NumPy scalars too
     share = check_offload_fraction(value, "stream_share")
     if share > 0.0 and cpu_optimizer_cls not in STREAMABLE_CLASSES:
         allowed = ", ".join(f"torch.optim.{c.__name__}" for c in STREAMABLE_CLASSES)
