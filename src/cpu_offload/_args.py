@@ -29,6 +29,16 @@ def check_int(name: str, value: object) -> int:
     return value
 
 
+def check_min_tensor_size(value: object) -> int:
+    """``min_tensor_size_to_offload`` if it is an int >= 0 (elements), else an error naming it."""
+    size = check_int("min_tensor_size_to_offload", value)
+    if size < 0:
+        raise ValueError(
+            f"min_tensor_size_to_offload must be >= 0 (a number of elements), got {size}"
+        )
+    return size
+
+
 def check_memory_budget(value: object) -> int | None:
     """``memory_budget`` if it is None or an int >= 0 (bytes), else an error naming it."""
     if value is None:

@@ -167,6 +167,8 @@ class Runner:
         self._dropped: list[str] = []
         self._warned_cache = False
         self._warned_parts = False
+        #: The layer after which take() ran in the middle of a forward, or None.
+        self._taken_after: int | None = None
 
     def take(self, other: Runner) -> None:
         """Run as ``other`` does from the next forward on (another set of layers)."""
@@ -175,6 +177,9 @@ class Runner:
         self.parts = other.parts
         self.mark_outputs = other.mark_outputs
         self._engine_hooks = None
+        if self.last_index is not None and self.last_index != self.num_layers - 1:
+            # Taken between two layers of a forward: said if that forward then fails.
+            self._taken_after = self.last_index
         self.last_index = None
 
     def offload_hooks(self) -> Any:
@@ -291,6 +296,8 @@ class Runner:
             self.context._restart_iteration()
         elif index != 0 and self.last_index != index - 1:
             self._refuse_order(index)
+        if index == 0:
+            self._taken_after = None  # a forward from the start: nothing to tell
         self.last_index = None
         mark = MarkOutputs() if self.mark_outputs and index in self.offloaded else None
         # An offloaded layer with parts keeps what its offloaded parts do not take.
@@ -328,6 +335,13 @@ class Runner:
             skipped = ", ".join(str(i) for i in range(last + 1, index))
             cause = f"layer(s) {skipped} did not run between layers {last} and {index}"
         self.context._restart_iteration()
+        taken, self._taken_after = self._taken_after, None
+        if taken is not None:
+            raise RuntimeError(
+                f"offload_layers: reassign() was called in the middle of a forward (after "
+                f"layer {taken}), and the layers it gave take effect at layer 0: call it "
+                "between training steps (after a backward, before the next forward)"
+            )
         raise RuntimeError(
             f"offload_layers: {cause}. The offload schedule counts each layer once per "
             "forward, in order: run every wrapped layer once per forward (no layer drop, "

@@ -51,7 +51,8 @@ def find_layers(model_or_layers: object) -> list[nn.Module]:
         TypeError: If a sequence holds something that is not an ``nn.Module``, or the
             argument is neither a module nor a sequence of modules.
         ValueError: If no layer stack is found in a model (the message lists the paths
-            tried and says what to pass instead), or the stack is empty.
+            tried and says what to pass instead), the stack is empty, or a module is in
+            it twice or inside another of its layers.
     """
     if isinstance(model_or_layers, (nn.ModuleList, nn.Sequential)):
         layers = list(model_or_layers)
@@ -89,6 +90,16 @@ def find_layers(model_or_layers: object) -> list[nn.Module]:
         # One module run twice per forward would be counted as two layers by the
         # schedule, but it has one forward method to wrap.
         raise ValueError("offload_layers: the same module appears twice in the layer stack")
+    ids = {id(layer): i for i, layer in enumerate(layers)}
+    for i, layer in enumerate(layers):
+        for child in layer.modules():
+            j = ids.get(id(child))
+            if child is not layer and j is not None:
+                # Its forward runs inside layer i's: the stack's order would be wrong.
+                raise ValueError(
+                    f"offload_layers: entry {j} of the layer stack is a submodule of entry "
+                    f"{i}; pass the layers that run one after another"
+                )
     return layers
 
 
@@ -97,7 +108,7 @@ def check_indices(name: str, indices: Iterable[object], num_layers: int) -> froz
 
     Raises:
         TypeError: If ``indices`` is not iterable or holds something other than ints.
-        ValueError: If an index is out of range.
+        ValueError: If an index is out of range or given twice.
     """
     if isinstance(indices, (str, bytes)) or not isinstance(indices, Iterable):
         raise TypeError(
@@ -112,6 +123,8 @@ def check_indices(name: str, indices: Iterable[object], num_layers: int) -> froz
                 f"{name}: layer index {index} is out of range [0, {num_layers - 1}] "
                 f"for a stack of {num_layers} layers"
             )
+        if index in out:
+            raise ValueError(f"{name}: layer index {index} is given twice")
         out.add(index)
     return frozenset(out)
 

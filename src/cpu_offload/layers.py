@@ -23,6 +23,7 @@ from ._layer_stack import check_indices, find_layers, offload_schedule
 from ._layer_wrap import Patch, patch_layer, wrap_of
 from ._log import logger
 from ._switch import ENV_VAR, use_v1
+from .v2.default import DefaultOffloadSynchronizer
 
 __all__ = ["OffloadedLayers", "StepWatch", "layer_runner", "offload_layers", "sync_first"]
 
@@ -309,10 +310,20 @@ def _make_context(
             f"must stay on the GPU (offload at most {n - 1})"
         )
     if prefix:
-        return get_cpu_offload_context(True, m, n, **context_kwargs)
-    return get_cpu_offload_context(
-        True, m, n, synchronization_dict=offload_schedule(offloaded, n), **context_kwargs
-    )
+        context, sync = get_cpu_offload_context(True, m, n, **context_kwargs)
+    else:
+        context, sync = get_cpu_offload_context(
+            True, m, n, synchronization_dict=offload_schedule(offloaded, n), **context_kwargs
+        )
+    synchronizer = context.offload_synchronizer
+    if isinstance(synchronizer, DefaultOffloadSynchronizer):
+        synchronizer.forward_count_advice = (
+            f"offload_layers wrapped {n} layers, each to run once per forward, in order, "
+            "and a backward after each forward: a wrapped layer that runs again after the "
+            "last one in the same forward (a layer reused, as with tied weights) cannot be "
+            "counted; wrap only the layers that run once per forward"
+        )
+    return context, sync
 
 
 def layer_runner(

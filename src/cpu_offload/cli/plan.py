@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from collections.abc import Sequence
@@ -63,7 +64,10 @@ def parse_budget(text: str) -> int | float:
             f"--budget {text!r}: unknown unit {match.group(2)!r}; use one of "
             "B, KB, MB, GB, KiB, MiB, GiB, TiB"
         )
-    nbytes = int(value * _UNITS[unit])
+    size = value * _UNITS[unit]
+    if not math.isfinite(size):
+        raise ValueError(f"--budget {text!r} is too large; {forms}")
+    nbytes = int(size)
     if nbytes <= 0:
         raise ValueError(f"--budget must be more than 0 bytes, got {text!r}")
     return nbytes

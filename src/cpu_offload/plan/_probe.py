@@ -273,6 +273,7 @@ def timed_step(
     """One forward and backward under a :class:`Probe`: the probe and its times.
 
     Raises:
+        TypeError: If the step does not return a tensor.
         ValueError: If the step did not run every layer's forward and backward once.
     """
     probe = Probe(layers, clock, policy, sleep, memory)
@@ -281,6 +282,11 @@ def timed_step(
             torch.cuda.synchronize()
         start = clock.now()
         loss = step()
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(
+                "profile_model: step() must run the model's forward and return the loss "
+                f"as a tensor, got {type(loss).__name__}"
+            )
         loss.backward()
         probe.close_backward(time.perf_counter())
         end = clock.now()

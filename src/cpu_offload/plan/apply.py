@@ -118,6 +118,8 @@ def apply_plan(
         >>> handle.remove()
     """
     check_bool("check_budget", check_budget)
+    layers = find_layers(model_or_layers)
+    check_plan_layers(plan, len(layers))
     if "memory_budget" in context_kwargs:
         # Kept bytes start two steps in, after the budget check has passed the plan:
         # the step could then peak above the plan's budget unnoticed.
@@ -126,8 +128,6 @@ def apply_plan(
             f"budget ({plan.budget_bytes} bytes) and its check would not see bytes kept "
             "later; search again with a higher budget instead"
         )
-    layers = find_layers(model_or_layers)
-    check_plan_layers(plan, len(layers))
     # offloaded=() (not None) so that a plan keeping every layer is a valid no-op.
     with as_modelled():
         handle = offload_layers(

@@ -345,6 +345,8 @@ def plan_from_dict(data: object) -> Plan:
         except ValueError as exc:
             raise PlanFileError(f"plan.{exc}") from None
     budget = r.count("budget_bytes")
+    if budget == 0:
+        raise PlanFileError(f"{r.path}.budget_bytes must be > 0 (bytes), got 0")
     return Plan(
         choices,
         budget,
@@ -357,7 +359,11 @@ def plan_from_dict(data: object) -> Plan:
 def save_plan(plan: Plan, path: str | os.PathLike[str]) -> None:
     """Write ``plan`` (and its profile, when it has one) to ``path`` as JSON.
 
+    The text is made before the file is opened and replaces it in one step, so that a
+    failure leaves an existing file as it was.
+
     Raises:
+        TypeError: If ``plan`` is not a :class:`Plan`.
         OSError: If the file cannot be written.
 
     Example:
@@ -367,9 +373,20 @@ def save_plan(plan: Plan, path: str | os.PathLike[str]) -> None:
         >>> load_plan(path).choices
         (<Choice.KEEP: 'keep'>,)
     """
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(plan_to_dict(plan), fh, indent=2)
-        fh.write("\n")
+    if not isinstance(plan, Plan):
+        raise TypeError(
+            f"plan must be a Plan (from search() or load_plan()), got {type(plan).__name__}"
+        )
+    text = json.dumps(plan_to_dict(plan), indent=2) + "\n"
+    target = os.fspath(path)
+    temporary = f"{target}.tmp-{os.getpid()}"
+    try:
+        with open(temporary, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(temporary, target)
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)
 
 
 def load_plan(path: str | os.PathLike[str]) -> Plan:

@@ -351,6 +351,16 @@ class _Timeline:
             self.t = end
 
 
+def check_profile(profile: object) -> Profile:
+    """``profile`` if it is a :class:`Profile`, else ``TypeError`` naming it."""
+    if not isinstance(profile, Profile):
+        raise TypeError(
+            f"profile must be a Profile (from profile_model() or a plan's .profile), got "
+            f"{type(profile).__name__}"
+        )
+    return profile
+
+
 def estimate(profile: Profile, choices: Sequence[object]) -> Estimate:
     """Model one training step of ``profile`` under the per-layer ``choices``.
 
@@ -363,6 +373,7 @@ def estimate(profile: Profile, choices: Sequence[object]) -> Estimate:
         step's) and the time compute waits for copies.
 
     Raises:
+        TypeError: If ``profile`` is not a :class:`Profile`.
         ValueError: If the choices are invalid for the profile (see :func:`check_choices`).
 
     Example:
@@ -373,7 +384,7 @@ def estimate(profile: Profile, choices: Sequence[object]) -> Estimate:
         >>> estimate(profile, ["recompute", "keep", "keep"]).step_ms
         10.0
     """
-    layers = profile.layers
+    layers = check_profile(profile).layers
     n = len(layers)
     plan = check_choices(choices, n, layers)
     schedule = Schedule(offload_schedule(plan))

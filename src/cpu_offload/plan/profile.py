@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._args import check_bool, check_min_tensor_size
 from .._layer_stack import find_layers
 from .._link import measure_link
 from .._switch import use_v1
@@ -164,10 +165,12 @@ def profile_model(
         The profile.
 
     Raises:
-        ValueError: If ``steps < 1`` or ``warmup < 0``, a step does not run every layer
-            once, or a part is not a submodule of its layer or lies inside another.
-        TypeError: If ``host`` is not a bool or None, or ``parts`` not one of the forms
-            above.
+        ValueError: If ``steps < 1``, ``warmup < 0`` or ``min_tensor_size_to_offload < 0``,
+            a step does not run every layer once, or a part is not a submodule of its
+            layer or lies inside another.
+        TypeError: If ``host`` is not a bool or None, ``recompute`` not a bool, ``link``
+            not a :class:`Link` or None, ``min_tensor_size_to_offload`` not an int,
+            ``parts`` not one of the forms above, or ``step`` does not return a tensor.
 
     Example:
         >>> layers = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(3)])
@@ -182,6 +185,13 @@ def profile_model(
         raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
     if host is not None and not isinstance(host, bool):
         raise TypeError(f"host must be a bool or None, got {type(host).__name__}")
+    check_min_tensor_size(min_tensor_size_to_offload)
+    check_bool("recompute", recompute)
+    if link is not None and not isinstance(link, Link):
+        raise TypeError(
+            f"link must be a Link (a profile's .link) or None to measure it, got "
+            f"{type(link).__name__}"
+        )
     layers = find_layers(model_or_layers)
     check_parts_spec(parts, layers)
     params = _with_grads(model_or_layers, layers)

@@ -17,8 +17,9 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from .._args import check_int
 from .costs import LayerCost, Parts, offload_layers_arguments
-from .model import Choice, Estimate, Link, Profile, estimate
+from .model import Choice, Estimate, Link, Profile, check_choices, check_profile, estimate
 from .usage import Use, is_offloaded, use_of
 
 __all__ = ["NoPlanFits", "Plan", "brute_force", "layer_options", "search"]
@@ -54,6 +55,12 @@ class Plan:
     peak_bytes: int
     profile: Profile | None = field(default=None, compare=False, repr=False)
 
+    def __post_init__(self) -> None:
+        # Checked here, so that a plan built by hand with "offload" or "recompute" as
+        # strings is applied as it says, and one that cannot be applied fails now.
+        checked = check_choices(self.choices, _length(self.choices))
+        object.__setattr__(self, "choices", checked)
+
     @property
     def offloaded(self) -> tuple[int, ...]:
         """Indices of the layers offloaded whole."""
@@ -74,6 +81,15 @@ class Plan:
         """One letter per layer: ``K`` keep, ``O`` offload, ``R`` recompute, ``P`` part
         by part (see :meth:`cpu_offload.plan.model.Parts.describe`)."""
         return "".join("P" if isinstance(c, Parts) else c.value[0].upper() for c in self.choices)
+
+
+def _length(choices: object) -> int:
+    try:
+        return len(choices)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(
+            f"choices must be a sequence of choices, got {type(choices).__name__}"
+        ) from None
 
 
 _ORDER = {Choice.OFFLOAD: 0, Choice.KEEP: 1, Choice.RECOMPUTE: 2}
@@ -415,8 +431,9 @@ def search(
         The plan.
 
     Raises:
-        TypeError: If ``budget_bytes`` is not an int.
-        ValueError: If ``budget_bytes`` is not positive.
+        TypeError: If ``profile`` is not a :class:`Profile`, ``budget_bytes`` or
+            ``exact_max_layers`` not an int, or ``parts`` not a bool.
+        ValueError: If ``budget_bytes`` is not positive or ``exact_max_layers`` negative.
         NoPlanFits: If no plan fits the budget (the message gives the lowest peak found).
 
     Example:
@@ -428,7 +445,9 @@ def search(
         >>> search(profile, 250).describe()
         'OOKK'
     """
-    scorer = _Scorer(profile, _check_budget(budget_bytes))
+    scorer = _Scorer(check_profile(profile), _check_budget(budget_bytes))
+    if check_int("exact_max_layers", exact_max_layers) < 0:
+        raise ValueError(f"exact_max_layers must be >= 0, got {exact_max_layers}")
     n = profile.num_layers
     if n == 0:
         raise ValueError("the profile has no layers")

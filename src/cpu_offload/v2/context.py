@@ -12,6 +12,7 @@ from .._args import (
     check_bool,
     check_int,
     check_memory_budget,
+    check_min_tensor_size,
     check_stream,
 )
 from .._compile import outside_compile
@@ -301,11 +302,7 @@ def get_cpu_offload_context(
 
     if model_layers < 1:
         raise ValueError(f"model_layers must be >= 1, got {model_layers}")
-    if min_tensor_size_to_offload < 0:
-        raise ValueError(
-            "min_tensor_size_to_offload must be >= 0 (a number of elements), "
-            f"got {min_tensor_size_to_offload}"
-        )
+    check_min_tensor_size(min_tensor_size_to_offload)
     if manual_synchronization and synchronization_dict is not None:
         raise ValueError(
             "synchronization_dict and manual_synchronization=True exclude each other: "

@@ -109,6 +109,13 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
         ]
         #: Made at the end of the first iteration, if the allocator keeps a running peak.
         self.peak_watch: PeakWatch | None = None
+        #: What the error for a wrong number of layer forwards says after "but ": a
+        #: front-end that counts the layers itself (offload_layers) says it its way.
+        self.forward_count_advice = (
+            f"model_layers={num_layers}: pass the number of layers that run under the "
+            "context in one iteration (or, if a forward was cut short by an exception "
+            "outside the context, skip that batch's backward)"
+        )
 
     def start_new_iteration(self) -> None:
         super().start_new_iteration()
@@ -171,9 +178,7 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
         self.start_new_iteration()
         raise ValueError(
             f"backward began after {ran} layer forwards under the CPU offload context, but "
-            f"model_layers={self.num_layers}: pass the number of layers that run under the "
-            "context in one iteration (or, if a forward was cut short by an exception "
-            "outside the context, skip that batch's backward)"
+            f"{self.forward_count_advice}"
         )
 
     def _check_something_offloaded(self) -> None:
