@@ -7,7 +7,10 @@ CPU tensors stand in for device parameters (``is_device_param``), as in test_opt
 
 from __future__ import annotations
 
+import collections
 import copy
+import pickle
+import time
 from typing import Any
 
 import pytest
@@ -146,14 +149,20 @@ def test_a_failed_load_leaves_the_optimizer_as_it_was() -> None:
     plain = torch.optim.AdamW(b.parameters(), **ADAMW)
     _train(a, opt, 3)
     _train(b, plain, 3)
-    bad = copy.deepcopy(opt.state_dict())
-    bad["state"][3]["step"] = "five"  # a corrupt checkpoint
+    bad = copy.deepcopy(opt.state_dict())  # a corrupt checkpoint ...
+    bad["param_groups"][0]["lr"] = 99.0  # ... whose readable parts differ from the state
+    for index in (0, 1, 2):
+        bad["state"][index]["exp_avg"] += 1.0
+    bad["state"][3]["step"] = "five"
     with pytest.raises(ValueError):
         opt.load_state_dict(bad)
+    assert opt.param_groups[0]["lr"] == ADAMW["lr"]
     _train(a, opt, 1, seed=4)
     _train(b, plain, 1, seed=4)
     assert _equal(a, b)
     assert [float(s["step"]) for s in opt.state_dict()["state"].values()] == [4.0] * 4
+    with pytest.raises(TypeError, match="state_dict must be a mapping"):
+        opt.load_state_dict(None)  # type: ignore[arg-type]
 
 
 def _hooks_run(make: Any) -> list[str]:
@@ -220,3 +229,70 @@ def test_state_assigned_a_non_empty_dict_is_refused() -> None:
     with pytest.raises(TypeError, match="load_state_dict"):
         opt.state[p] = {"step": torch.tensor(5.0)}
     assert float(opt.state[p]["step"]) == 1.0
+
+
+class _SlowAdamW(torch.optim.AdamW):
+    """A host optimizer slow enough that its first step still runs when step() returns."""
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        time.sleep(0.05)
+        return super().step(closure)
+
+
+def _overlapped(model: torch.nn.Module) -> HybridDeviceOptimizer:
+    # The host step runs on a worker thread under the next forward: right after the
+    # first step(), the offloaded parameters' state is still being made there.
+    return _hdo(
+        model.parameters(),
+        1.0,
+        overlap_host_step_with_forward=True,
+        cpu_optimizer_cls=_SlowAdamW,
+        **ADAMW,
+    )
+
+
+def test_reading_state_right_after_an_overlapped_step_drops_nothing() -> None:
+    a, b = _model(), _model()
+    opt = _overlapped(a)
+    plain = torch.optim.AdamW(b.parameters(), **ADAMW)
+    _train(a, opt, 1)
+    _train(b, plain, 1)
+    time.sleep(0.5)  # the host step has made the state; the view was made before it
+    for p in a.parameters():
+        assert isinstance(opt.state[p], dict)  # a read, as code that inspects state does
+    _train(a, opt, 1, seed=3)
+    _train(b, plain, 1, seed=3)
+    opt.synchronize()
+    assert _equal(a, b)
+    assert [float(s["step"]) for s in opt.state_dict()["state"].values()] == [2.0] * 4
+
+
+@pytest.mark.parametrize("how", ["clear", "del"])
+def test_state_reset_right_after_an_overlapped_step_resets_it(how: str) -> None:
+    a, b = _model(), _model()
+    opt = _overlapped(a)
+    plain = torch.optim.AdamW(b.parameters(), **ADAMW)
+    for model, o in ((a, opt), (b, plain)):
+        _train(model, o, 1)
+        if how == "clear":
+            o.state.clear()
+        else:
+            for p in model.parameters():
+                del o.state[p]
+        _train(model, o, 1, seed=3)
+    opt.synchronize()
+    assert _equal(a, b)
+    assert [float(s["step"]) for s in opt.state_dict()["state"].values()] == [1.0] * 4
+
+
+def test_state_copies_and_pickles_as_a_plain_defaultdict() -> None:
+    model = _model()
+    opt = _hdo(model.parameters(), **ADAMW)
+    _train(model, opt, 1)
+    for copied in (opt.state.copy(), copy.copy(opt.state), copy.deepcopy(opt.state)):
+        assert type(copied) is collections.defaultdict
+        assert len(copied) == len(opt.state) == 4
+    loaded = pickle.loads(pickle.dumps(opt.state))
+    assert type(loaded) is collections.defaultdict and len(loaded) == 4
+    opt.state["note"] = {"any": 1}  # keys that are not parameters are a plain dict's
+    assert opt.state["note"] == {"any": 1}

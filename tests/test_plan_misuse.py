@@ -89,9 +89,8 @@ def test_save_plan_refuses_what_is_not_a_plan_and_keeps_the_file(
     assert os.listdir(tmp_path) == ["plan.json"]  # no temporary file left
 
 
-@pytest.mark.parametrize("failing", ["plan_to_dict", "replace"])
-def test_save_plan_keeps_the_file_when_writing_fails(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: str
+def test_save_plan_keeps_the_file_when_the_plan_cannot_be_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from cpu_offload.plan import io
 
@@ -99,15 +98,21 @@ def test_save_plan_keeps_the_file_when_writing_fails(
     save_plan(Plan((Choice.OFFLOAD, Choice.KEEP), 100, 1.0, 90), path)
     before = path.read_text()
 
-    def fail(*args: object) -> None:
-        raise OSError("no space left on device")
+    def fail(plan: Plan) -> None:
+        raise ValueError("a profile field that JSON cannot hold")
 
-    monkeypatch.setattr(io if failing == "plan_to_dict" else io.os, failing, fail)
-    with pytest.raises(OSError, match="no space"):
+    monkeypatch.setattr(io, "plan_to_dict", fail)
+    with pytest.raises(ValueError, match="JSON cannot hold"):
         save_plan(Plan((Choice.KEEP, Choice.KEEP), 100, 1.0, 90), path)
     monkeypatch.undo()
     assert path.read_text() == before
-    assert os.listdir(tmp_path) == ["plan.json"]  # no temporary file left
+
+
+def test_a_plan_needs_a_positive_budget() -> None:
+    with pytest.raises(ValueError, match="budget_bytes must be > 0"):
+        Plan((Choice.KEEP,), 0, 0.0, 0)
+    with pytest.raises(TypeError, match="budget_bytes must be an int"):
+        Plan((Choice.KEEP,), 1.5, 0.0, 0)  # type: ignore[arg-type]
 
 
 def test_load_plan_refuses_a_zero_budget(tmp_path: Path) -> None:

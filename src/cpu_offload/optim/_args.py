@@ -16,6 +16,7 @@ __all__ = [
     "ParamsT",
     "check_copy_dtype",
     "check_optimizer_cls",
+    "has_duplicates",
     "materialize",
     "pop_flag",
     "pop_predicate",
@@ -67,7 +68,10 @@ def check_optimizer_cls(
             f"{name} must be a concrete optimizer class (e.g. torch.optim.AdamW), not the "
             "base class torch.optim.Optimizer"
         )
-    closure = inspect.signature(cls.step).parameters.get("closure")
+    try:
+        closure = inspect.signature(cls.step).parameters.get("closure")
+    except (TypeError, ValueError):  # a step() without a signature (a C extension)
+        closure = None
     if closure is not None and closure.default is inspect.Parameter.empty:
         # LBFGS re-evaluates the model inside step(); the sub-optimizers are stepped
         # with no closure, each over part of the parameters.
@@ -114,6 +118,12 @@ def pop_predicate(defaults: dict[str, Any], name: str) -> Callable[[torch.Tensor
             f"or None, got {type(value).__name__}"
         )
     return _CheckedPredicate(name, value)
+
+
+def has_duplicates(params: Iterable[object]) -> bool:
+    """Whether a parameter is listed twice (by identity)."""
+    listed = list(params)
+    return len({id(p) for p in listed}) != len(listed)
 
 
 def _refuse_set(name: str, params: object) -> None:

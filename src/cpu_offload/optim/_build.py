@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._checkpoint import adopt_param_writes, install_state, state_view
+from ._checkpoint import adopt_param_writes, install_state, match_loaded_groups, state_view
 from ._entries import (
     IMPLEMENTATION_KEYS,
     Entry,
@@ -84,6 +84,18 @@ class HybridBuilder(HybridStepper):
         adopt_param_writes(self._entries)
         self._refresh_state()
         return {p: dict(s) for p, s in self.state.items() if s}
+
+    def _load(self, state_dict: Mapping[str, Any]) -> None:
+        """Load ``state_dict`` (hooks already run); a failure restores the state before."""
+        before = self._state_by_param()  # synchronizes first
+        groups = self.param_groups
+        self.param_groups, by_param = match_loaded_groups(groups, state_dict)
+        try:
+            self._build(by_param)
+        except BaseException:
+            self.param_groups = groups
+            self._build(before)
+            raise
 
     def _teardown(self) -> None:
         self.synchronize()
@@ -195,7 +207,7 @@ class HybridBuilder(HybridStepper):
     # ------------------------------------------------------------------ state view
 
     def _refresh_state(self) -> None:
-        self.state = state_view(self._entries)
+        self.state = state_view(self._entries, self.synchronize)
 
     def _sync_hyperparameters(self) -> None:
         for sub in self._all_subs():

@@ -7,6 +7,7 @@ its sub-optimizer steps (:func:`place_state_value`).
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from copy import deepcopy
@@ -155,15 +156,31 @@ class StateView(defaultdict):  # type: ignore[type-arg]
     Read as PyTorch's optimizers' ``state``; the state tensors are the live ones, so an
     in-place change reaches the optimizer. Dropping a parameter's entry (``del``,
     ``pop``, ``clear()``, or assigning ``{}``) drops its sub-optimizer's state, so that
-    the next step starts it afresh, as it does for PyTorch's optimizers. Assigning a
-    non-empty dict is refused: :meth:`~HybridDeviceOptimizer.load_state_dict` places
-    state on the side each parameter is stepped on.
+    the next step starts it afresh, as it does for PyTorch's optimizers; the host step
+    still running from ``step()`` is waited for first. Assigning a non-empty dict to a
+    parameter is refused: :meth:`~HybridDeviceOptimizer.load_state_dict` places state on
+    the side each parameter is stepped on. Copied or pickled, it is a plain
+    ``defaultdict``.
+
+    Args:
+        entries: The optimizer's entries.
+        settle: Waits for the host step still running (the optimizer's ``synchronize``),
+            held weakly: the view must not keep its optimizer alive.
     """
 
-    def __init__(self, entries: Sequence[Entry]) -> None:
+    def __init__(self, entries: Sequence[Entry], settle: Callable[[], None]) -> None:
         super().__init__(dict)
         self._entries = {entry.param: entry for entry in entries}
-        for entry in entries:
+        self._settle_ref = weakref.WeakMethod(settle)  # type: ignore[arg-type]
+        self._fill()
+
+    def _settle(self) -> None:
+        settle = self._settle_ref()
+        if settle is not None:
+            settle()
+
+    def _fill(self) -> None:
+        for entry in self._entries.values():
             assert entry.optimizer is not None
             sub_state = entry.optimizer.state.get(entry.inner)
             if not sub_state:
@@ -172,37 +189,54 @@ class StateView(defaultdict):  # type: ignore[type-arg]
                 sub_state["master_param"] = entry.inner
             super().__setitem__(entry.param, sub_state)
 
+    def _before_change(self) -> None:
+        # A host step still running creates state the view does not show yet.
+        self._settle()
+        self._fill()
+
     def _drop(self, key: Any) -> None:
         entry = self._entries.get(key)
         if entry is not None and entry.optimizer is not None:
             entry.optimizer.state.pop(entry.inner, None)
 
+    def __missing__(self, key: Any) -> dict[str, Any]:
+        # Reading a parameter without state, as from a defaultdict: nothing to drop.
+        value: dict[str, Any] = {}
+        super().__setitem__(key, value)
+        return value
+
     def __setitem__(self, key: Any, value: Any) -> None:
-        if value is not self.get(key):
+        if key in self._entries and value is not self.get(key):
             if value:
                 raise TypeError(
                     "HybridDeviceOptimizer.state: assign {} (or del) to reset a parameter's "
                     "state; to set state, load it with load_state_dict()"
                 )
+            self._before_change()
             self._drop(key)
         super().__setitem__(key, value)
 
     def __delitem__(self, key: Any) -> None:
+        if key in self._entries:
+            self._before_change()
         super().__delitem__(key)
         self._drop(key)
 
     def pop(self, key: Any, *default: Any) -> Any:
-        if key in self:
+        if key in self._entries:
+            self._before_change()
             self._drop(key)
         return super().pop(key, *default)
 
     def popitem(self) -> tuple[Any, Any]:
+        self._before_change()
         key, value = super().popitem()
         self._drop(key)
         return key, value
 
     def clear(self) -> None:
-        for key in list(self):
+        self._settle()
+        for key in self._entries:
             self._drop(key)
         super().clear()
 
@@ -210,15 +244,29 @@ class StateView(defaultdict):  # type: ignore[type-arg]
         for key, value in dict(*args, **kwargs).items():
             self[key] = value
 
+    def __ior__(self, other: Any) -> StateView:  # type: ignore[override,misc]
+        self.update(other)
+        return self
+
     def setdefault(self, key: Any, default: Any = None) -> Any:
         if key not in self:
             self[key] = {} if default is None else default
         return self[key]
 
+    def copy(self) -> defaultdict:  # type: ignore[type-arg,override]
+        return defaultdict(dict, self)
 
-def state_view(entries: Sequence[Entry]) -> StateView:
-    """Each parameter's live sub-optimizer state, with ``master_param`` for fp32 masters."""
-    return StateView(entries)
+    def __copy__(self) -> defaultdict:  # type: ignore[type-arg,override]
+        return self.copy()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (defaultdict, (dict,), None, None, iter(self.items()))
+
+
+def state_view(entries: Sequence[Entry], settle: Callable[[], None]) -> StateView:
+    """Each parameter's live sub-optimizer state, with ``master_param`` for fp32 masters;
+    ``settle`` waits for a host step still running (see :class:`StateView`)."""
+    return StateView(entries, settle)
 
 
 @torch.no_grad()
@@ -264,6 +312,11 @@ def run_load_hooks(
     """``load(state_dict)`` between the hooks of ``register_load_state_dict_pre_hook`` and
     ``register_load_state_dict_post_hook``, as ``torch.optim.Optimizer.load_state_dict``
     runs them (on a shallow copy; a pre hook may return a state dict that replaces it)."""
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(
+            "state_dict must be a mapping from state_dict() (here or of a plain "
+            f"optimizer), got {type(state_dict).__name__}"
+        )
     state_dict = dict(state_dict)
     for pre in getattr(optimizer, "_optimizer_load_state_dict_pre_hooks", {}).values():
         result = pre(optimizer, state_dict)

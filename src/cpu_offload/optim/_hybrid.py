@@ -38,6 +38,7 @@ from ._args import (
     ParamsT,
     check_copy_dtype,
     check_optimizer_cls,
+    has_duplicates,
     materialize,
     pop_flag,
     pop_predicate,
@@ -46,7 +47,6 @@ from ._args import (
 from ._build import HybridBuilder, remove_hooks
 from ._checkpoint import (
     adopt_param_writes,
-    match_loaded_groups,
     pack_state_dict,
     run_load_hooks,
     run_state_dict_hooks,
@@ -328,8 +328,7 @@ class HybridDeviceOptimizer(HybridBuilder):
                 or in another group too.
         """
         super().add_param_group(param_group)
-        added = self.param_groups[-1]["params"]
-        if len({id(p) for p in added}) != len(added):
+        if has_duplicates(self.param_groups[-1]["params"]):
             self.param_groups.pop()
             raise ValueError(
                 "a param group lists a parameter twice; list each parameter once (an "
@@ -503,17 +502,7 @@ class HybridDeviceOptimizer(HybridBuilder):
             state_dict: From :meth:`state_dict` here or of a plain optimizer.
 
         Raises:
+            TypeError: If ``state_dict`` is not a mapping.
             ValueError: If the groups or their sizes do not match this optimizer's.
         """
         run_load_hooks(self, state_dict, self._load)
-
-    def _load(self, state_dict: Mapping[str, Any]) -> None:
-        before = self._state_by_param()  # synchronizes first
-        groups = self.param_groups
-        self.param_groups, by_param = match_loaded_groups(groups, state_dict)
-        try:
-            self._build(by_param)
-        except BaseException:
-            self.param_groups = groups
-            self._build(before)
-            raise

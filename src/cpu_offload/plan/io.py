@@ -359,8 +359,8 @@ def plan_from_dict(data: object) -> Plan:
 def save_plan(plan: Plan, path: str | os.PathLike[str]) -> None:
     """Write ``plan`` (and its profile, when it has one) to ``path`` as JSON.
 
-    The text is made before the file is opened and replaces it in one step, so that a
-    failure leaves an existing file as it was.
+    The text is made before the file is opened, so that a plan that cannot be written
+    leaves an existing file as it was.
 
     Raises:
         TypeError: If ``plan`` is not a :class:`Plan`.
@@ -378,15 +378,8 @@ def save_plan(plan: Plan, path: str | os.PathLike[str]) -> None:
             f"plan must be a Plan (from search() or load_plan()), got {type(plan).__name__}"
         )
     text = json.dumps(plan_to_dict(plan), indent=2) + "\n"
-    target = os.fspath(path)
-    temporary = f"{target}.tmp-{os.getpid()}"
-    try:
-        with open(temporary, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(temporary, target)
-    finally:
-        if os.path.exists(temporary):
-            os.remove(temporary)
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(text)
 
 
 def load_plan(path: str | os.PathLike[str]) -> Plan:

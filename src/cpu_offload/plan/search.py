@@ -57,9 +57,12 @@ class Plan:
 
     def __post_init__(self) -> None:
         # Checked here, so that a plan built by hand with "offload" or "recompute" as
-        # strings is applied as it says, and one that cannot be applied fails now.
-        checked = check_choices(self.choices, _length(self.choices))
+        # strings is applied as it says, and one that cannot be applied (or saved and
+        # loaded again) fails now.
+        layers = None if self.profile is None else self.profile.layers
+        checked = check_choices(self.choices, _length(self.choices), layers)
         object.__setattr__(self, "choices", checked)
+        _check_budget(self.budget_bytes)
 
     @property
     def offloaded(self) -> tuple[int, ...]:
