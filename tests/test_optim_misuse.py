@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from cpu_offload.optim import HybridDeviceOptimizer
 
@@ -285,6 +286,57 @@ def test_state_reset_right_after_an_overlapped_step_resets_it(how: str) -> None:
     assert [float(s["step"]) for s in opt.state_dict()["state"].values()] == [1.0] * 4
 
 
+@pytest.mark.parametrize("how", ["clear", "del", "setdefault"])
+def test_optimizer_state_shows_a_reset_made_right_after_an_overlapped_step(how: str) -> None:
+    model = _model()
+    opt = _overlapped(model)
+    _train(model, opt, 1)
+    time.sleep(0.5)  # the host step has made the state; the view was made before it
+    state = opt.state  # the object the caller holds
+    params = list(model.parameters())
+    if how == "clear":
+        state.clear()
+    elif how == "del":
+        del state[params[0]]
+    else:  # a read through setdefault drops nothing
+        assert state.setdefault(params[0], {})["step"] == 1.0
+    assert opt.state is state
+    if how == "setdefault":
+        assert len(state) == 4 and len(opt.state_dict()["state"]) == 4
+    else:
+        assert params[0] not in state and len(state) == (0 if how == "clear" else 3)
+
+
+@pytest.mark.timeout(60)  # a regression hangs: the host step waits for itself
+def test_a_step_hook_that_waits_for_the_host_step_from_inside_it_is_refused() -> None:
+    model = _model()
+    opt = _overlapped(model)
+    errors: list[BaseException] = []
+
+    def hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+        if isinstance(optimizer, _SlowAdamW):  # a host sub-optimizer, on the host thread
+            try:
+                opt.state.pop(next(model.parameters()), None)
+            except RuntimeError as exc:
+                errors.append(exc)
+
+    handle = register_optimizer_step_post_hook(hook)
+    try:
+        _train(model, opt, 1)
+        opt.synchronize()  # returns: the host step did not wait for itself
+    finally:
+        handle.remove()
+    assert errors and "waiting for the host step from inside it" in str(errors[0])
+
+
+def test_the_optimizer_refuses_to_be_pickled_and_names_state_dict() -> None:
+    model = _model()
+    opt = _hdo(model.parameters(), **ADAMW)
+    for copy_it in (pickle.dumps, copy.deepcopy):
+        with pytest.raises(TypeError, match=r"save optimizer.state_dict\(\)"):
+            copy_it(opt)
+
+
 def test_state_copies_and_pickles_as_a_plain_defaultdict() -> None:
     model = _model()
     opt = _hdo(model.parameters(), **ADAMW)
@@ -295,4 +347,5 @@ def test_state_copies_and_pickles_as_a_plain_defaultdict() -> None:
     loaded = pickle.loads(pickle.dumps(opt.state))
     assert type(loaded) is collections.defaultdict and len(loaded) == 4
     opt.state["note"] = {"any": 1}  # keys that are not parameters are a plain dict's
-    assert opt.state["note"] == {"any": 1}
+    _train(model, opt, 1)
+    assert opt.state["note"] == {"any": 1}  # and stay across steps

@@ -108,6 +108,12 @@ def test_save_plan_keeps_the_file_when_the_plan_cannot_be_written(
     assert path.read_text() == before
 
 
+def test_a_plan_and_its_profile_must_have_as_many_layers() -> None:
+    with pytest.raises(ValueError, match="the plan's profile has 3 layers"):
+        Plan((Choice.KEEP,) * 2, 100, 0.0, 0, _profile())
+    assert Plan((Choice.KEEP,) * 3, 100, 0.0, 0, _profile()).describe() == "KKK"
+
+
 def test_a_plan_needs_a_positive_budget() -> None:
     with pytest.raises(ValueError, match="budget_bytes must be > 0"):
         Plan((Choice.KEEP,), 0, 0.0, 0)

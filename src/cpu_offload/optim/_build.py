@@ -15,7 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._checkpoint import adopt_param_writes, install_state, match_loaded_groups, state_view
+from ._checkpoint import (
+    StateView,
+    adopt_param_writes,
+    install_state,
+    match_loaded_groups,
+    state_view,
+)
 from ._entries import (
     IMPLEMENTATION_KEYS,
     Entry,
@@ -84,6 +90,15 @@ class HybridBuilder(HybridStepper):
         adopt_param_writes(self._entries)
         self._refresh_state()
         return {p: dict(s) for p, s in self.state.items() if s}
+
+    def __getstate__(self) -> dict[str, Any]:
+        # PyTorch's optimizers pickle their defaults, state and groups only: a copy
+        # would lack the threads, streams, host buffers and entries this one runs on.
+        raise TypeError(
+            "HybridDeviceOptimizer cannot be pickled or deep-copied (it holds threads, "
+            "streams and host buffers): save optimizer.state_dict() and load it into a "
+            "new HybridDeviceOptimizer"
+        )
 
     def _load(self, state_dict: Mapping[str, Any]) -> None:
         """Load ``state_dict`` (hooks already run); a failure restores the state before."""
@@ -207,7 +222,10 @@ class HybridBuilder(HybridStepper):
     # ------------------------------------------------------------------ state view
 
     def _refresh_state(self) -> None:
-        self.state = state_view(self._entries, self.synchronize)
+        if isinstance(self.state, StateView):
+            self.state.refill(self._entries)
+        else:
+            self.state = state_view(self._entries, self.synchronize)
 
     def _sync_hyperparameters(self) -> None:
         for sub in self._all_subs():

@@ -18,6 +18,7 @@ import torch
 from ._entries import Entry
 
 __all__ = [
+    "StateView",
     "run_load_hooks",
     "run_state_dict_hooks",
     "adopt_param_writes",
@@ -170,8 +171,17 @@ class StateView(defaultdict):  # type: ignore[type-arg]
 
     def __init__(self, entries: Sequence[Entry], settle: Callable[[], None]) -> None:
         super().__init__(dict)
-        self._entries = {entry.param: entry for entry in entries}
+        self._entries: dict[torch.Tensor, Entry] = {}
         self._settle_ref = weakref.WeakMethod(settle)  # type: ignore[arg-type]
+        self.refill(entries)
+
+    def refill(self, entries: Sequence[Entry]) -> None:
+        """Show the state of ``entries`` now (after a step or a rebuild), in place, so
+        that a reference to ``optimizer.state`` stays current; keys that are not
+        parameters stay."""
+        for key in [k for k in self if k in self._entries]:
+            super().__delitem__(key)
+        self._entries = {entry.param: entry for entry in entries}
         self._fill()
 
     def _settle(self) -> None:
@@ -249,6 +259,8 @@ class StateView(defaultdict):  # type: ignore[type-arg]
         return self
 
     def setdefault(self, key: Any, default: Any = None) -> Any:
+        if key in self._entries:
+            self._before_change()  # its state may be being made by the host step
         if key not in self:
             self[key] = {} if default is None else default
         return self[key]

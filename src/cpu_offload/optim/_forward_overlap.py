@@ -35,7 +35,7 @@ from cpu_offload._compile import keep_engine_out_of_compile
 
 from ._copies import step_host_subs
 from ._entries import Entry, Sub
-from ._pending import mark_pending, unmark_pending, writing
+from ._pending import is_writer, mark_pending, unmark_pending, writing
 
 __all__ = ["ForwardOverlap", "UnguardedReadError"]
 
@@ -208,7 +208,18 @@ class ForwardOverlap:
             torch.cuda.current_stream(self.cuda_device).wait_event(entry.h2d_event)
 
     def wait_all(self) -> dict[str, float]:
-        """Wait for every pending update; return the host step's timings (or {})."""
+        """Wait for every pending update; return the host step's timings (or {}).
+
+        Raises:
+            RuntimeError: If called on the thread that runs the host step (from a hook
+                of its optimizers), which would wait for itself.
+        """
+        if is_writer():
+            raise RuntimeError(
+                "HybridDeviceOptimizer: waiting for the host step from inside it (an "
+                "optimizer step hook that reads or changes the optimizer's state on the "
+                "host-step thread) would never return; do that between steps"
+            )
         future, self._future = self._future, None
         timings: dict[str, float] = {}
         if future is not None:

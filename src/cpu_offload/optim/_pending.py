@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["is_pending", "mark_pending", "unmark_pending", "writing"]
+__all__ = ["is_pending", "is_writer", "mark_pending", "unmark_pending", "writing"]
 
 #: Attribute of a pending parameter: ``(wait, entry)``, weakly held.
 _ATTR = "_cpu_offload_pending_update"
@@ -158,6 +158,11 @@ def writing() -> Iterator[None]:
         yield
     finally:
         _WRITER.active = False
+
+
+def is_writer() -> bool:
+    """Whether this thread steps the host buckets now (inside :func:`writing`)."""
+    return bool(getattr(_WRITER, "active", False))
 
 
 def _pending_class(cls: type) -> type:

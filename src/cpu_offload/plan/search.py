@@ -59,8 +59,13 @@ class Plan:
         # Checked here, so that a plan built by hand with "offload" or "recompute" as
         # strings is applied as it says, and one that cannot be applied (or saved and
         # loaded again) fails now.
+        n = _length(self.choices)
         layers = None if self.profile is None else self.profile.layers
-        checked = check_choices(self.choices, _length(self.choices), layers)
+        if layers is not None and len(layers) != n:
+            raise ValueError(
+                f"choices has {n} entries, but the plan's profile has {len(layers)} layers"
+            )
+        checked = check_choices(self.choices, n, layers)
         object.__setattr__(self, "choices", checked)
         _check_budget(self.budget_bytes)
 
