@@ -345,15 +345,16 @@ def plan_from_dict(data: object) -> Plan:
         except ValueError as exc:
             raise PlanFileError(f"plan.{exc}") from None
     budget = r.count("budget_bytes")
-    if budget == 0:
-        raise PlanFileError(f"{r.path}.budget_bytes must be > 0 (bytes), got 0")
-    return Plan(
-        choices,
-        budget,
-        modelled.number("step_ms"),
-        modelled.count("peak_bytes"),
-        profile,
-    )
+    try:  # what a Plan refuses (a budget of 0, say), as a field of the file
+        return Plan(
+            choices,
+            budget,
+            modelled.number("step_ms"),
+            modelled.count("peak_bytes"),
+            profile,
+        )
+    except ValueError as exc:
+        raise PlanFileError(f"{r.path}: {exc}") from None
 
 
 def save_plan(plan: Plan, path: str | os.PathLike[str]) -> None:

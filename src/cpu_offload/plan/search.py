@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from .._args import check_int
@@ -59,7 +59,8 @@ class Plan:
         # Checked here, so that a plan built by hand with "offload" or "recompute" as
         # strings is applied as it says, and one that cannot be applied (or saved and
         # loaded again) fails now.
-        n = _length(self.choices)
+        # Not a sequence: check_choices names the type before it counts.
+        n = len(self.choices) if isinstance(self.choices, Sequence) else 0
         layers = None if self.profile is None else self.profile.layers
         if layers is not None and len(layers) != n:
             raise ValueError(
@@ -89,15 +90,6 @@ class Plan:
         """One letter per layer: ``K`` keep, ``O`` offload, ``R`` recompute, ``P`` part
         by part (see :meth:`cpu_offload.plan.model.Parts.describe`)."""
         return "".join("P" if isinstance(c, Parts) else c.value[0].upper() for c in self.choices)
-
-
-def _length(choices: object) -> int:
-    try:
-        return len(choices)  # type: ignore[arg-type]
-    except TypeError:
-        raise TypeError(
-            f"choices must be a sequence of choices, got {type(choices).__name__}"
-        ) from None
 
 
 _ORDER = {Choice.OFFLOAD: 0, Choice.KEEP: 1, Choice.RECOMPUTE: 2}
