@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import datetime
 import gc
+import io
 import os
 import sys
 import time
@@ -212,6 +213,37 @@ def _sharded_worker(rank: int) -> None:
 
 def test_sharded_optimizer_matches_adamw_and_keeps_ranks_identical(tmp_path):
     spawn(_sharded_worker, tmp_path)
+
+
+def _sharded_options_worker(rank: int) -> None:
+    # Every keyword that only configures HybridDeviceOptimizer (is_device_param among
+    # them) goes to the rank's local optimizer, not into the param groups, where a
+    # lambda would make the state dict unpicklable.
+    from cpu_offload.optim import ShardedHybridDeviceOptimizer
+
+    model = nn.Linear(4, 4)
+    opt = ShardedHybridDeviceOptimizer(
+        model.parameters(),
+        offload_fraction=0.5,
+        is_device_param=lambda p: True,
+        offload_last_layers=True,
+        lr=1e-2,
+    )
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    for group in opt.param_groups:
+        assert set(group) == {"params", *opt.defaults}
+        assert "is_device_param" not in group and "offload_last_layers" not in group
+    assert opt.local is not None
+    for group in opt.local.param_groups:
+        assert "is_device_param" not in group
+    torch.save(opt.state_dict(), io.BytesIO())
+
+
+def test_options_of_the_local_optimizer_stay_out_of_the_param_groups(tmp_path):
+    # In processes of their own: a process group made and destroyed in the test process
+    # has hung in destroy_process_group on torch 2.6, holding the GIL.
+    spawn(_sharded_options_worker, tmp_path)
 
 
 # -- DDP and FSDP2 with the offload context per block -------------------------------
