@@ -14,7 +14,9 @@ train (no ``CUBLAS_WORKSPACE_CONFIG``, no deterministic algorithms: see
 deterministic kernels. The host's speed on a shared machine drifts in phases: each
 measurement lies between two runs of the profile's host probe, and the figures over the
 rounds the probe read calm (the host speed the profile models) are reported beside those
-over every round.
+over every round. Each plan is also modelled from the same profile's rounds with the
+host's times of every round (pace ``"every"``, NOTE [The host's pace]), to check which
+pace models the measured median.
 
     python benchmarks/plan.py --json plan.json --markdown plan.md
     python benchmarks/plan.py --quick        # smaller models, about a minute
@@ -39,8 +41,9 @@ import json
 import statistics
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -67,6 +70,7 @@ from cpu_offload.plan import (  # noqa: E402
 )
 from cpu_offload.plan._probe import host_probe_ms  # noqa: E402
 from cpu_offload.plan._rounds import calm, calm_reference  # noqa: E402
+from cpu_offload.plan._timing import HostAndDevice  # noqa: E402
 from cpu_offload.plan.profile import measure_choices  # noqa: E402
 
 # Each workload: its builder and its dimensions, full and --quick.
@@ -298,7 +302,11 @@ def _timed(  # type: ignore[no-untyped-def]
     keep_choices = [Choice.KEEP] * n
     _, none_peak = measure_choices(model, step, keep_choices, steps=steps, warmup=warmup)
     assert none_peak is not None
-    profile = profile_model(model, step, steps=steps, warmup=warmup, parts=parts)
+    with _runners() as runners:
+        profile = profile_model(model, step, steps=steps, warmup=warmup, parts=parts)
+    # The same rounds with the host's times of every round (without parts: their host
+    # probes run after the profile's own).
+    every = runners[0].rebuild("every") if runners and not parts else None
     wanted = None if ks is None else {f"k={k}" for k in ks}
     methods = {
         m: c
@@ -336,6 +344,8 @@ def _timed(  # type: ignore[no-untyped-def]
     for label, choices in methods.items():
         est = estimate(profile, choices)
         singles[label] = {"modelled": [est.step_ms, est.peak_bytes], **timed[label]}
+        if every is not None:
+            singles[label]["modelled_every_ms"] = estimate(every, choices).step_ms
     for label in own:
         singles[label] = {"modelled": None, **timed[label]}
     rows, plans = [], []
@@ -360,6 +370,7 @@ def _timed(  # type: ignore[no-untyped-def]
         uncounted = sum(
             1 for v in singles.values() if v["measured"][1] <= peak and v["calm_ms"] is None
         )
+        every_ms = None if every is None else estimate(every, final.choices).step_ms
         rows.append(
             {
                 "fraction": fraction,
@@ -385,6 +396,9 @@ def _timed(  # type: ignore[no-untyped-def]
                 "calm_ms": calm_ms,
                 "calm_rounds": timed[f"plan {fraction}"]["calm_rounds"],
                 "model_step_error_calm": None if calm_ms is None else final.step_ms / calm_ms - 1,
+                # The same plan modelled with the host's times of every round.
+                "modelled_every_ms": every_ms,
+                "model_step_error_every": None if every_ms is None else every_ms / ms - 1,
                 "best_single_calm": None if best_calm is None else best_calm[1],
                 "singles_without_calm_round": uncounted,
                 "speedup_vs_best_single_calm": None
@@ -398,15 +412,37 @@ def _timed(  # type: ignore[no-untyped-def]
     return {
         "workload": name,
         "layers": n,
-        "none": {"modelled": [keep.step_ms, keep.peak_bytes], **timed["none"]},
+        "none": {
+            "modelled": [keep.step_ms, keep.peak_bytes],
+            "modelled_every_ms": None if every is None else estimate(every, keep_choices).step_ms,
+            **timed["none"],
+        },
         "link_gbps": [profile.link.d2h_gbps, profile.link.h2d_gbps, profile.link.duplex_gbps],
         # The whole profile, so that a change to the model can be checked against these
         # measurements without the GPU.
         "profile": dataclasses.asdict(profile),
+        "profile_every": None if every is None else dataclasses.asdict(every),
         "rows": rows,
         "singles": singles,
         "plans": plans,
     }
+
+
+@contextlib.contextmanager
+def _runners() -> Iterator[list[HostAndDevice]]:
+    """The :class:`HostAndDevice` runners that profile the model inside the block."""
+    runners: list[HostAndDevice] = []
+    real = HostAndDevice.profile
+
+    def recorded(self: HostAndDevice, *args: Any) -> Any:
+        runners.append(self)
+        return real(self, *args)
+
+    HostAndDevice.profile = recorded  # type: ignore[method-assign]
+    try:
+        yield runners
+    finally:
+        HostAndDevice.profile = real  # type: ignore[method-assign]
 
 
 def whole_letters(choices: tuple) -> str:  # type: ignore[type-arg]
@@ -441,6 +477,12 @@ def _calm_text(row: dict, singles: dict) -> str:
     return text + (f"; {missing} method(s) at <= peak without a calm round" if missing else "")
 
 
+def _every_text(row: dict) -> str:
+    """The plan's model error with the host's times of every round, where modelled."""
+    error = row.get("model_step_error_every")
+    return "" if error is None else f"; {error:+.1%}"
+
+
 def _spread(round_medians: list[float]) -> float:
     """How far a configuration's rounds lie apart: (slowest - fastest) / median."""
     return (max(round_medians) - min(round_medians)) / statistics.median(round_medians)
@@ -470,7 +512,7 @@ def _markdown(results: list[dict], device: str, rounds: int, steps: int, warmup:
             f"{res['none']['modelled'][0]:.1f} ms, {res['none']['modelled'][1] / gib:.2f} GiB)",
             "",
             "| budget GiB | plan | modelled ms / GiB | measured ms / GiB | spread of the rounds "
-            "| model error step (fastest round) / peak | exact | best single method at <= peak | its ms / GiB "
+            "| model error step (fastest round; every round's host) / peak | exact | best single method at <= peak | its ms / GiB "
             "| plan speedup | calm rounds: plan ms (rounds), model error, best single (ms, rounds), speedup |",
             "|---:|---|---:|---:|---:|---:|---|---|---:|---:|---|",
         ]
@@ -487,8 +529,8 @@ def _markdown(results: list[dict], device: str, rounds: int, steps: int, warmup:
                 f"{r['modelled'][1] / gib:.2f} | {r['measured'][0]:.1f} / "
                 f"{r['measured'][1] / gib:.2f}{'' if r['within_budget'] else ' (over)'} | "
                 f"{_spread(r['round_medians_ms']):.1%} | "
-                f"{r['model_step_error']:+.1%} ({r['model_step_error_fastest']:+.1%}) / "
-                f"{r['model_peak_error']:+.1%} | "
+                f"{r['model_step_error']:+.1%} ({r['model_step_error_fastest']:+.1%}"
+                f"{_every_text(r)}) / {r['model_peak_error']:+.1%} | "
                 f"{'yes' if r['exact'] else 'NO'} | {r['best_single'] or '-'} | "
                 + ("-" if best is None else f"{best[0]:.1f} / {best[1] / gib:.2f}")
                 + " | "

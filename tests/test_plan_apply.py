@@ -191,6 +191,7 @@ def test_profile_measures_the_host_apart_when_asked() -> None:
 def test_the_plain_step_is_the_median_of_the_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
     # A slow phase of the host while the first plain block is timed, and one slow round
     # among five: the model of keeping every layer is the plain step of the rounds.
+    import cpu_offload.plan._timing as timing_module
     import cpu_offload.plan.profile as profile_module
 
     times = iter([9000.0, 1000.0, 5000.0, 1000.0, 1000.0, 1000.0])
@@ -202,12 +203,13 @@ def test_the_plain_step_is_the_median_of_the_rounds(monkeypatch: pytest.MonkeyPa
         return next(times)
 
     monkeypatch.setattr(profile_module, "plain_step_ms", plain)
+    monkeypatch.setattr(timing_module, "plain_step_ms", plain)
     model = _encoder()
     x = _batches()[0]
     profile = profile_model(
         model, lambda: model(x).sum(), steps=2, host=True, min_tensor_size_to_offload=1024
     )
-    assert len(calls) == 1 + profile_module._HostAndDevice.ROUNDS
+    assert len(calls) == 1 + timing_module.HostAndDevice.ROUNDS
     assert estimate(profile, [Choice.KEEP] * LAYERS).step_ms == pytest.approx(1000.0)
 
 
@@ -216,14 +218,18 @@ def test_the_hosts_slow_phase_is_left_out(monkeypatch: pytest.MonkeyPatch) -> No
     # the device, stays flat while every probed step takes 1.5 times as long on the host,
     # and the host probes beside them read it. The host's times, and what recomputing
     # and offloading add (1 ms and 0.5 ms a layer's forward on a calm host), come from
-    # the two calm rounds (NOTE [The host's pace]).
-    import cpu_offload.plan.profile as profile_module
+    # the two calm rounds (NOTE [The host's pace]); with the pace "every", from all five,
+    # whose median is the slow phase's.
+    import cpu_offload.plan._timing as timing_module
+    from cpu_offload.plan._rounds import fast_rounds
 
     slow = [False, True, False, True, True]
-    monkeypatch.setattr(profile_module, "plain_step_ms", lambda step, clock, steps: 1000.0)
+    monkeypatch.setattr(timing_module, "plain_step_ms", lambda step, clock, steps: 1000.0)
     rounds = iter(slow)
-    real_rounds = profile_module._HostAndDevice._rounds
+    real_rounds = timing_module.HostAndDevice._rounds
+    real_profile = timing_module.HostAndDevice.profile
     adds = {"keep": 0.0, "recompute": 1.0, "offload": 0.5}
+    runners = []
 
     def rounds_with_phases(self, configs):  # type: ignore[no-untyped-def]
         out, plain, probes = real_rounds(self, configs)
@@ -237,7 +243,12 @@ def test_the_hosts_slow_phase_is_left_out(monkeypatch: pytest.MonkeyPatch) -> No
                     run.host_head_ms = factor * 4.0
         return out, plain, probes
 
-    monkeypatch.setattr(profile_module._HostAndDevice, "_rounds", rounds_with_phases)
+    def recorded(self, *args):  # type: ignore[no-untyped-def]
+        runners.append(self)
+        return real_profile(self, *args)
+
+    monkeypatch.setattr(timing_module.HostAndDevice, "_rounds", rounds_with_phases)
+    monkeypatch.setattr(timing_module.HostAndDevice, "profile", recorded)
     model = _encoder()
     x = _batches()[0]
     profile = profile_model(
@@ -250,9 +261,26 @@ def test_the_hosts_slow_phase_is_left_out(monkeypatch: pytest.MonkeyPatch) -> No
         assert cost.host.engaged_forward_ms == pytest.approx(0.5)
     assert profile.head_host_ms == pytest.approx(4.0)
     assert estimate(profile, [Choice.KEEP] * LAYERS).step_ms == pytest.approx(1000.0)
-    assert profile_module.fast_rounds([1000.0, 1020.0, 1040.0], 0.03) == [0, 1]
-    assert profile_module.fast_rounds([float("nan"), 1000.0, 1040.0], 0.03) == [1]
-    assert profile_module.fast_rounds([float("nan")] * 2, 0.03) == [0, 1]
+
+    (runner,) = runners
+    assert runner.rebuild("calm") == profile
+    every = runner.rebuild("every")
+    for cost, calm in zip(every.layers, profile.layers, strict=True):
+        assert cost.host.forward_ms == pytest.approx(3.0)
+        assert cost.host.backward_ms == pytest.approx(4.5)
+        assert cost.host.recompute_forward_ms == pytest.approx(1.5)
+        assert cost.host.engaged_forward_ms == pytest.approx(0.75)
+        # The device's times come from the same rounds whatever the host's pace.
+        assert (cost.forward_ms, cost.backward_ms) == (calm.forward_ms, calm.backward_ms)
+        assert cost.recompute_ms == calm.recompute_ms
+    assert every.head_host_ms == pytest.approx(6.0)
+    assert estimate(every, [Choice.KEEP] * LAYERS).step_ms == pytest.approx(1000.0)
+    with pytest.raises(ValueError, match=r"pace must be one of \('calm', 'every'\), got 'fast'"):
+        runner.rebuild("fast")
+
+    assert fast_rounds([1000.0, 1020.0, 1040.0], 0.03) == [0, 1]
+    assert fast_rounds([float("nan"), 1000.0, 1040.0], 0.03) == [1]
+    assert fast_rounds([float("nan")] * 2, 0.03) == [0, 1]
 
 
 def test_a_probe_counts_saved_tensors_or_measures_peaks_not_both() -> None:

@@ -123,16 +123,16 @@ def test_the_fixed_cost_is_what_a_probe_adds_beyond_the_shares() -> None:
 
 
 def _probes_seen(monkeypatch: pytest.MonkeyPatch) -> list[dict]:  # type: ignore[type-arg]
-    import cpu_offload.plan.profile as profile_module
+    from cpu_offload.plan._timing import HostAndDevice
 
     seen: list[dict] = []  # type: ignore[type-arg]
-    real = profile_module._HostAndDevice._rounds
+    real = HostAndDevice._rounds
 
     def recorded(self, configs):  # type: ignore[no-untyped-def]
         seen.append(dict(configs))
         return real(self, configs)
 
-    monkeypatch.setattr(profile_module._HostAndDevice, "_rounds", recorded)
+    monkeypatch.setattr(HostAndDevice, "_rounds", recorded)
     return seen
 
 
@@ -190,10 +190,10 @@ def test_the_probes_are_judged_against_the_profiles_calm_reference() -> None:
     # their own probes alone those rounds would pass for calm (their lower quartile is
     # slow too); against the calm reference of the profile's other host times they do
     # not, and the fixed costs come from the first round.
-    from cpu_offload.plan.profile import _HostAndDevice
+    from cpu_offload.plan._timing import HostAndDevice
 
     profile = Profile((_layer(),) * 4, Link(1e-4, 1e-4))  # type: ignore[arg-type]
-    timing = object.__new__(_HostAndDevice)
+    timing = object.__new__(HostAndDevice)
     timing.calm_probe_ms = 5.0
     share = 0.25 / 2.0
     paces = (1.0, 1.3, 1.3)
@@ -227,3 +227,8 @@ def test_the_probes_are_judged_against_the_profiles_calm_reference() -> None:
     assert host.part_recompute_forward_ms == pytest.approx(0.1)
     assert host.part_recompute_backward_ms == pytest.approx(0.2)
     assert host.part_offload_forward_ms == 0.0
+    # With the pace "every", the slow rounds count too: their median is the slow one's.
+    slow = timing.part_host(profile, pace="every").layers[0].host
+    assert slow is not None
+    assert slow.part_recompute_forward_ms > host.part_recompute_forward_ms + 0.01
+    assert slow.part_recompute_backward_ms > host.part_recompute_backward_ms + 0.01

@@ -22,7 +22,7 @@ from dataclasses import replace
 from typing import Any
 
 from ._probe import StepTimes
-from ._rounds import extra, picked, quiet_rounds
+from ._rounds import extra, host_rounds, picked
 from .costs import Choice, HostCost, LayerCost, Parts
 from .model import Profile
 from .usage import use_of
@@ -110,6 +110,7 @@ def with_part_host(
     rounds: Mapping[str, list[list[StepTimes]]],
     probe_ms: Mapping[str, Sequence[float]],
     reference: float,
+    pace: str = "calm",
 ) -> Profile:
     """``profile`` with the host's fixed cost per part, from the probes' rounds.
 
@@ -127,6 +128,8 @@ def with_part_host(
             calm reference of the profile's other host times (:func:`._rounds.calm`):
             each probe's fixed cost comes from the rounds in which it and ``"keep"``
             were calm (:func:`._rounds.quiet_rounds`).
+        pace: Which rounds (:func:`._rounds.host_rounds`): ``"calm"`` as above, or
+            ``"every"`` round.
     """
     layers = [
         c if c.host is None else replace(c, host=_without_part_costs(c.host))
@@ -141,7 +144,7 @@ def with_part_host(
             _only(c, next(iter(chosen[j])), choice) if j in chosen else Choice.KEEP
             for j, c in enumerate(layers)
         ]
-        both = quiet_rounds(reference, probe_ms[probe], probe_ms["keep"])
+        both = host_rounds(pace, reference, probe_ms[probe], probe_ms["keep"])
         for way in ("forward", "backward"):
             name = f"part_{probe}_{way}_ms"
             field = f"host_{way}_ms"

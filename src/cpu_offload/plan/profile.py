@@ -7,7 +7,7 @@ threshold), the layer's input, the temporary memory of its forward and backward,
 that of the output head and loss (GPU only). The link is measured with pinned copies on
 streams (on the CPU stand-in: copies between host tensors).
 
-Times are measured one of two ways:
+Times are measured one of two ways (:mod:`._timing`):
 
 * *Host and device apart* (the default on CUDA): the host's time per layer (hooks on the
   wall clock) and the device's (CUDA events, the stream held back until the host has
@@ -24,7 +24,6 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -33,31 +32,16 @@ from torch import nn
 from .._args import check_bool, check_min_tensor_size
 from .._layer_stack import find_layers
 from .._link import measure_link
-from .._switch import use_v1
 from ..engine.selection import ActivationPolicy
 from ..v2.context import DEFAULT_MIN_TENSOR_SIZE
-from ._parts_host import part_probes, with_part_host
 from ._parts_probe import PartsSpec, check_parts_spec, with_parts
 from ._probe import (
     Clock,
-    StepTimes,
-    host_probe_ms,
-    median_times,
     plain_step_ms,
-    scaled_times,
-    sleep_cycles,
     timed_step,
 )
-from ._rounds import (
-    calm_reference,
-    extra,
-    fast_rounds,
-    flat,
-    offload_extras,
-    picked,
-    quiet_rounds,
-)
-from .model import Choice, HostCost, LayerCost, Link, Profile, estimate
+from ._timing import HostAndDevice, Together
+from .model import LayerCost, Link, Profile
 
 __all__ = ["measure_choices", "measure_host_link", "profile_model"]
 
@@ -230,217 +214,14 @@ def profile_model(
         device=torch.cuda.get_device_name(device) if cuda else "cpu (CPU stand-in)",
         head_bytes=peaks.head_bytes,
     )
-    timing = _HostAndDevice if (cuda if host is None else host) else _Together
+    timing = HostAndDevice if (cuda if host is None else host) else Together
     measured = timing(layers, step, clock, steps, runs, plain_ms, min_tensor_size_to_offload)
     profile = measured.profile(profile, costs, recompute)
     if parts is not False:
         profile = with_parts(profile, layers, step, clock, policy, parts, steps)
-        if isinstance(measured, _HostAndDevice):
+        if isinstance(measured, HostAndDevice):
             profile = measured.part_host(profile)
     return profile
-
-
-class _Together:
-    """One time per layer: host and device together, as a plain step shows them."""
-
-    def __init__(
-        self,
-        layers: Sequence[nn.Module],
-        step: Callable[[], torch.Tensor],
-        clock: Clock,
-        steps: int,
-        runs: list[StepTimes],
-        plain_ms: float,
-        min_tensor_size_to_offload: int,
-    ) -> None:
-        self.layers, self.step, self.clock, self.steps = layers, step, clock, steps
-        self.runs, self.plain_ms = runs, plain_ms
-        self.min_tensor_size_to_offload = min_tensor_size_to_offload
-
-    def _under(self, runs: int, **kwargs: Any) -> list[StepTimes]:
-        """``runs`` probed steps under :func:`cpu_offload.offload_layers` (one warm-up)."""
-        from ..layers import offload_layers
-
-        parts = kwargs.get("parts") or {}
-        if kwargs.get("offloaded") or any("offload" in p.values() for p in parts.values()):
-            kwargs["min_tensor_size_to_offload"] = self.min_tensor_size_to_offload
-        with offload_layers(self.layers, **kwargs):
-            timed_step(self.layers, self.step, self.clock)
-            return [timed_step(self.layers, self.step, self.clock)[1] for _ in range(runs)]
-
-    def profile(self, base: Profile, costs: list[LayerCost], recompute: bool) -> Profile:
-        n = len(self.layers)
-        fwd, bwd, other_ms = scaled_times(
-            median_times(self.runs, "forward"),
-            median_times(self.runs, "backward"),
-            statistics.median(r.step_ms for r in self.runs),
-            self.plain_ms,
-        )
-        rerun: list[float | None] = [None] * n
-        if recompute:
-            from ..layers import offload_layers
-
-            with offload_layers(self.layers, offloaded=(), recomputed=range(n)):
-                plain_step_ms(self.step, self.clock, 1)
-                recompute_all_ms = plain_step_ms(self.step, self.clock, self.steps)
-            # Recomputation's cost measured as a whole (its per-layer share is too small
-            # to time alone), shared out by forward time.
-            extra = max(recompute_all_ms - self.plain_ms, 0.0)
-            total_fwd = sum(fwd) or 1.0
-            rerun = [extra * f / total_fwd for f in fwd]
-        layers = tuple(
-            replace(c, forward_ms=fwd[j], backward_ms=bwd[j], recompute_ms=rerun[j])
-            for j, c in enumerate(costs)
-        )
-        return replace(base, layers=layers, other_ms=other_ms)
-
-
-class _HostAndDevice(_Together):
-    """The host's time and the device's apart, for each choice (see the module's notes)."""
-
-    def _device_times(self, host_runs: list[StepTimes], **kwargs: Any) -> list[StepTimes]:
-        """Steps with the stream held back before each layer: the device's own times."""
-        if not self.clock.cuda:
-            return host_runs  # the CPU stand-in's device is the host
-        host_ms = [
-            max(f, b)
-            for f, b in zip(
-                median_times(host_runs, "host_forward"),
-                median_times(host_runs, "host_backward"),
-                strict=True,
-            )
-        ]
-        from ..layers import offload_layers
-
-        with offload_layers(self.layers, **kwargs):
-            sleep = sleep_cycles(host_ms)
-            return [
-                timed_step(self.layers, self.step, self.clock, sleep=sleep)[1]
-                for _ in range(self.steps)
-            ]
-
-    #: Rounds that take the host's configurations in turn (see :mod:`._rounds`): the
-    #: plain step and the device's times come from the rounds of the fast phase (see
-    #: :data:`FAST_PHASE`), the host's times from the runs its probe read calm (NOTE
-    #: [The host's pace]).
-    ROUNDS = 5
-    #: A round is of the fast phase when its plain step is within this share of the
-    #: fastest round's. Slow phases make a step longer, never shorter, and can last
-    #: several rounds: on an H100 host the first profile of a process timed
-    #: Megatron-Core's GPT at 53.1, 46.4, 46.3, 51.9 and 52.3 ms, and the median of the
-    #: rounds modelled the step 13% above the 45.8 ms it trained at.
-    FAST_PHASE = 0.03
-    #: The calm reference of :meth:`profile`'s host probes, and whether it timed
-    #: recomputation: what :meth:`part_host` measures beside them.
-    calm_probe_ms: float | None = None
-    recompute = True
-
-    def _rounds(
-        self, configs: dict[str, dict[str, Any]]
-    ) -> tuple[dict[str, list[list[StepTimes]]], list[float], dict[str, list[float]]]:
-        """Each configuration's probed steps per round, the plain step's time per round,
-        and each configuration's host probe per round (NOTE [The host's pace])."""
-        out: dict[str, list[list[StepTimes]]] = {name: [] for name in configs}
-        probes: dict[str, list[float]] = {name: [] for name in configs}
-        plain = []
-        for _ in range(self.ROUNDS):
-            plain.append(plain_step_ms(self.step, self.clock, self.steps))
-            for name, kwargs in configs.items():
-                before = host_probe_ms()
-                out[name].append(self._under(self.steps, **kwargs))
-                probes[name].append(max(before, host_probe_ms()))
-        return out, plain, probes
-
-    def profile(self, base: Profile, costs: list[LayerCost], recompute: bool) -> Profile:
-        n = len(self.layers)
-        m = max(n // 2, 1)
-        keep: dict[str, Any] = {"offloaded": (), "recomputed": ()}
-        every: dict[str, Any] = {"offloaded": (), "recomputed": range(n)}
-        configs = {"keep": keep}
-        if recompute:
-            configs["recompute"] = every
-        if n > 1:
-            # Half the layers (at least one, never the last) through the engine.
-            configs["offload"] = {"offloaded": range(m), "recomputed": ()}
-        every_round, plain_rounds, probes = self._rounds(configs)
-        # The device's times and the plain step from the rounds of the fast phase; the
-        # host's times, and what a choice adds to them, from the rounds of a calm host
-        # (NOTE [The host's pace]).
-        fast = fast_rounds(plain_rounds, self.FAST_PHASE)
-        self.calm_probe_ms = calm_reference(v for ms in probes.values() for v in ms)
-        self.recompute = recompute
-        ref = self.calm_probe_ms
-        plain_rounds = [plain_rounds[i] for i in fast]
-        kept_runs = flat(picked(every_round["keep"], fast))
-        calm_kept = flat(picked(every_round["keep"], quiet_rounds(ref, probes["keep"])))
-        host_f = median_times(calm_kept, "host_forward")
-        host_b = median_times(calm_kept, "host_backward")
-        device = self._device_times(kept_runs, **keep)
-        dev_f = median_times(device, "forward")
-        dev_b = median_times(device, "backward")
-        host = HostCost(forward_ms=0.0, backward_ms=0.0)
-        rerun = list(dev_f)
-        if recompute:
-            runs = flat(picked(every_round["recompute"], fast))
-            rerun = [
-                max(b - kb, 0.0)
-                for b, kb in zip(
-                    median_times(self._device_times(runs, **every), "backward"), dev_b, strict=True
-                )
-            ]
-            both = quiet_rounds(ref, probes["recompute"], probes["keep"])
-            again, plain = picked(every_round["recompute"], both), picked(every_round["keep"], both)
-            host = replace(
-                host,
-                recompute_forward_ms=extra(again, plain, "host_forward", n),
-                recompute_backward_ms=extra(again, plain, "host_backward", n),
-            )
-        if n > 1:
-            both = quiet_rounds(ref, probes["offload"], probes["keep"])
-            extras = offload_extras(
-                picked(every_round["offload"], both), picked(every_round["keep"], both), n, m
-            )
-            host = replace(host, **extras)
-        layers = tuple(
-            replace(
-                c,
-                forward_ms=dev_f[j],
-                backward_ms=dev_b[j],
-                recompute_ms=rerun[j],
-                host=replace(
-                    host,
-                    forward_ms=host_f[j],
-                    backward_ms=host_b[j],
-                    # Not measured: a recomputation takes the host one forward again.
-                    recompute_backward_ms=host.recompute_backward_ms if recompute else host_f[j],
-                ),
-            )
-            for j, c in enumerate(costs)
-        )
-        modelled = replace(
-            base,
-            layers=layers,
-            head_ms=statistics.median(r.head_ms for r in device),
-            head_host_ms=statistics.median(r.host_head_ms for r in calm_kept),
-        )
-        # What the layers leave out of a plain step (embedding, head, loss) is its rest:
-        # the plain step of the rounds, not the one block timed before them, which a slow
-        # phase of the host would pass on to every estimate.
-        kept = estimate(modelled, [Choice.KEEP] * n).step_ms
-        plain_ms = statistics.median(plain_rounds)
-        return replace(modelled, other_ms=max(plain_ms - kept, 0.0))
-
-    def part_host(self, profile: Profile) -> Profile:
-        """``profile`` (with parts) with the host's fixed cost per part, from probes in
-        rounds beside a step of kept layers (:mod:`._parts_host`), judged against the calm
-        reference of :meth:`profile`'s rounds, whose host times the fixed costs go beside."""
-        assert self.calm_probe_ms is not None, "part_host runs after profile"
-        probes = part_probes(profile, recompute=self.recompute, offload=not use_v1())
-        if not probes:
-            return profile
-        configs = {"keep": {"offloaded": (), "recomputed": ()}, **probes}
-        every_round, _, host_probes = self._rounds(configs)
-        return with_part_host(profile, probes, every_round, host_probes, self.calm_probe_ms)
 
 
 def measure_choices(
