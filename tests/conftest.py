@@ -78,16 +78,17 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
 
 
 def _timeout_of(item: pytest.Item) -> float:
-    """pytest-timeout's limit for ``item``: its ``timeout`` mark, else the ini setting."""
+    """pytest-timeout's limit for ``item``: its ``timeout`` mark, else the run's (from
+    ``--timeout``, ``PYTEST_TIMEOUT`` or the ini file, in pytest-timeout's order); 0: none."""
+    if not item.config.pluginmanager.hasplugin("timeout"):
+        return 0.0
     mark = item.get_closest_marker("timeout")
     if mark is not None and (mark.args or "timeout" in mark.kwargs):
         return float(mark.args[0] if mark.args else mark.kwargs["timeout"])
-    value = item.config.getini("timeout") if _has_timeout_plugin(item.config) else 0
+    value = item.config.getoption("timeout", None)
+    if value is None:
+        value = os.environ.get("PYTEST_TIMEOUT") or item.config.getini("timeout")
     return float(value or 0)
-
-
-def _has_timeout_plugin(config: pytest.Config) -> bool:
-    return config.pluginmanager.hasplugin("timeout")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
