@@ -15,8 +15,8 @@ deterministic kernels. The host's speed on a shared machine drifts in phases: ea
 measurement lies between two runs of the profile's host probe, and the figures over the
 rounds the probe read calm (the host speed the profile models) are reported beside those
 over every round. Each plan is also modelled from the same profile's rounds with the
-host's times of every round (pace ``"every"``, NOTE [The host's pace]), to check which
-pace models the measured median.
+host's times of every round (pace ``"every"``, NOTE [The host's pace]; not with
+``--parts``), to check which pace models the measured median.
 
     python benchmarks/plan.py --json plan.json --markdown plan.md
     python benchmarks/plan.py --quick        # smaller models, about a minute
@@ -344,8 +344,9 @@ def _timed(  # type: ignore[no-untyped-def]
     for label, choices in methods.items():
         est = estimate(profile, choices)
         singles[label] = {"modelled": [est.step_ms, est.peak_bytes], **timed[label]}
-        if every is not None:
-            singles[label]["modelled_every_ms"] = estimate(every, choices).step_ms
+        singles[label]["modelled_every_ms"] = (
+            None if every is None else estimate(every, choices).step_ms
+        )
     for label in own:
         singles[label] = {"modelled": None, **timed[label]}
     rows, plans = [], []
@@ -434,9 +435,9 @@ def _runners() -> Iterator[list[HostAndDevice]]:
     runners: list[HostAndDevice] = []
     real = HostAndDevice.profile
 
-    def recorded(self: HostAndDevice, *args: Any) -> Any:
+    def recorded(self: HostAndDevice, *args: Any, **kwargs: Any) -> Any:
         runners.append(self)
-        return real(self, *args)
+        return real(self, *args, **kwargs)
 
     HostAndDevice.profile = recorded  # type: ignore[method-assign]
     try:
@@ -478,9 +479,10 @@ def _calm_text(row: dict, singles: dict) -> str:
 
 
 def _every_text(row: dict) -> str:
-    """The plan's model error with the host's times of every round, where modelled."""
+    """The plan's model error (against the median) with the host's times of every round,
+    where modelled."""
     error = row.get("model_step_error_every")
-    return "" if error is None else f"; {error:+.1%}"
+    return "" if error is None else f" [{error:+.1%}]"
 
 
 def _spread(round_medians: list[float]) -> float:
@@ -512,7 +514,7 @@ def _markdown(results: list[dict], device: str, rounds: int, steps: int, warmup:
             f"{res['none']['modelled'][0]:.1f} ms, {res['none']['modelled'][1] / gib:.2f} GiB)",
             "",
             "| budget GiB | plan | modelled ms / GiB | measured ms / GiB | spread of the rounds "
-            "| model error step (fastest round; every round's host) / peak | exact | best single method at <= peak | its ms / GiB "
+            "| model error step (fastest round) [every round's host] / peak | exact | best single method at <= peak | its ms / GiB "
             "| plan speedup | calm rounds: plan ms (rounds), model error, best single (ms, rounds), speedup |",
             "|---:|---|---:|---:|---:|---:|---|---|---:|---:|---|",
         ]
@@ -529,8 +531,8 @@ def _markdown(results: list[dict], device: str, rounds: int, steps: int, warmup:
                 f"{r['modelled'][1] / gib:.2f} | {r['measured'][0]:.1f} / "
                 f"{r['measured'][1] / gib:.2f}{'' if r['within_budget'] else ' (over)'} | "
                 f"{_spread(r['round_medians_ms']):.1%} | "
-                f"{r['model_step_error']:+.1%} ({r['model_step_error_fastest']:+.1%}"
-                f"{_every_text(r)}) / {r['model_peak_error']:+.1%} | "
+                f"{r['model_step_error']:+.1%} ({r['model_step_error_fastest']:+.1%})"
+                f"{_every_text(r)} / {r['model_peak_error']:+.1%} | "
                 f"{'yes' if r['exact'] else 'NO'} | {r['best_single'] or '-'} | "
                 + ("-" if best is None else f"{best[0]:.1f} / {best[1] / gib:.2f}")
                 + " | "

@@ -35,7 +35,8 @@ step (:func:`fast_rounds`).
 # rounds the calm model reads low (Megatron-Core's GPT, H200: -7 to -14%). The host's
 # times can therefore come from every round instead (pace ``"every"``,
 # :func:`host_rounds`): medians over rounds that meet the slow phases as often as
-# training does. benchmarks/plan.py models each plan both ways from one profile's rounds.
+# training does. benchmarks/plan.py models each plan both ways from one profile's rounds
+# (without --parts).
 
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ from ._probe import StepTimes, median_times
 
 __all__ = [
     "HOST_NOISE",
+    "HOST_PACES",
     "calm",
     "calm_reference",
     "extra",

@@ -206,9 +206,9 @@ class HostAndDevice(Together):
         rounds, probes = got.rounds, got.probes
         n = len(self.layers)
         m = max(n // 2, 1)
-        calm_kept = flat(picked(rounds["keep"], host_rounds(pace, ref, probes["keep"])))
-        host_f = median_times(calm_kept, "host_forward")
-        host_b = median_times(calm_kept, "host_backward")
+        host_runs_kept = flat(picked(rounds["keep"], host_rounds(pace, ref, probes["keep"])))
+        host_f = median_times(host_runs_kept, "host_forward")
+        host_b = median_times(host_runs_kept, "host_backward")
         host = HostCost(forward_ms=0.0, backward_ms=0.0)
         if "recompute" in rounds:
             both = host_rounds(pace, ref, probes["recompute"], probes["keep"])
@@ -246,7 +246,7 @@ class HostAndDevice(Together):
             got.base,
             layers=layers,
             head_ms=got.head_ms,
-            head_host_ms=statistics.median(r.host_head_ms for r in calm_kept),
+            head_host_ms=statistics.median(r.host_head_ms for r in host_runs_kept),
         )
         # What the layers leave out of a plain step (embedding, head, loss) is its rest:
         # the plain step of the rounds, not the one block timed before them, which a slow
