@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from ._warn import warn_at_caller
@@ -12,7 +14,14 @@ __all__ = [
     "check_int",
     "check_memory_budget",
     "check_stream",
+    "has_duplicates",
 ]
+
+
+def has_duplicates(items: Iterable[object]) -> bool:
+    """Whether an object is listed twice (by identity, as for modules and parameters)."""
+    listed = list(items)
+    return len({id(x) for x in listed}) != len(listed)
 
 
 def check_bool(name: str, value: object) -> bool:

@@ -6,6 +6,8 @@ from collections.abc import Iterable, Sequence
 
 from torch import nn
 
+from ._args import has_duplicates
+
 __all__ = ["LAYER_PATHS", "find_layers", "offload_schedule", "check_indices"]
 
 #: Attribute paths tried, in order, on a whole model: Hugging Face decoders
@@ -86,7 +88,7 @@ def find_layers(model_or_layers: object) -> list[nn.Module]:
         )
     if not layers:
         raise ValueError("offload_layers: the layer stack is empty")
-    if len({id(layer) for layer in layers}) != len(layers):
+    if has_duplicates(layers):
         # One module run twice per forward would be counted as two layers by the
         # schedule, but it has one forward method to wrap.
         raise ValueError("offload_layers: the same module appears twice in the layer stack")

@@ -16,7 +16,6 @@ __all__ = [
     "ParamsT",
     "check_copy_dtype",
     "check_optimizer_cls",
-    "has_duplicates",
     "materialize",
     "pop_flag",
     "pop_predicate",
@@ -118,12 +117,6 @@ def pop_predicate(defaults: dict[str, Any], name: str) -> Callable[[torch.Tensor
             f"or None, got {type(value).__name__}"
         )
     return _CheckedPredicate(name, value)
-
-
-def has_duplicates(params: Iterable[object]) -> bool:
-    """Whether a parameter is listed twice (by identity)."""
-    listed = list(params)
-    return len({id(p) for p in listed}) != len(listed)
 
 
 def _refuse_set(name: str, params: object) -> None:

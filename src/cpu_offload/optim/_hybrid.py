@@ -34,11 +34,11 @@ import torch
 from cpu_offload._args import check_bool
 from cpu_offload._compat import is_current_stream_capturing
 
+from .._args import has_duplicates
 from ._args import (
     ParamsT,
     check_copy_dtype,
     check_optimizer_cls,
-    has_duplicates,
     materialize,
     pop_flag,
     pop_predicate,
