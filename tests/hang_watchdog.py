@@ -21,6 +21,7 @@ import os
 import sys
 import time
 from collections.abc import Generator
+from dataclasses import dataclass
 
 import pytest
 
@@ -29,7 +30,24 @@ HARD_STOP_AFTER_S = 60
 #: The limit where pytest-timeout is not installed (the ``timeout`` of pyproject.toml).
 DEFAULT_LIMIT_S = 900.0
 
-_DEADLINE = pytest.StashKey[float]()
+
+@dataclass(frozen=True)
+class _Watch:
+    """One test's watch: pytest-timeout's limit, from ``start`` or (``func_only``) from
+    the start of the test's call."""
+
+    limit: float
+    func_only: bool
+    start: float
+
+    def left(self, phase: str) -> float | None:
+        """Seconds left in ``phase`` until the limit; None: the phase is not timed."""
+        if self.func_only:
+            return self.limit if phase == "call" else None
+        return max(self.start + self.limit - time.monotonic(), 0.0)
+
+
+_WATCH = pytest.StashKey[_Watch]()
 
 
 class HangWatchdog:
@@ -55,13 +73,13 @@ class HangWatchdog:
         limit, func_only = self._limit(item)
         if limit > 0 and not self._debugging():
             # With func_only, pytest-timeout times the test's body alone: so does this.
-            item.stash[_DEADLINE] = -limit if func_only else time.monotonic() + limit
+            item.stash[_WATCH] = _Watch(limit, func_only, time.monotonic())
         try:
             yield
         finally:
             faulthandler.cancel_dump_traceback_later()
-            if _DEADLINE in item.stash:
-                del item.stash[_DEADLINE]
+            if _WATCH in item.stash:
+                del item.stash[_WATCH]
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> Generator[None, None, None]:
@@ -79,17 +97,12 @@ class HangWatchdog:
         yield
 
     def _arm(self, item: pytest.Item, phase: str) -> None:
-        deadline = item.stash.get(_DEADLINE, None)
-        if deadline is None:
-            return
-        if deadline < 0:  # func_only: the call alone, with its whole limit
-            if phase != "call":
-                faulthandler.cancel_dump_traceback_later()
-                return
-            left = -deadline
+        watch = item.stash.get(_WATCH, None)
+        left = None if watch is None else watch.left(phase)
+        if left is None:
+            faulthandler.cancel_dump_traceback_later()
         else:
-            left = max(deadline - time.monotonic(), 0.0)
-        faulthandler.dump_traceback_later(left + HARD_STOP_AFTER_S, exit=True, file=self.fd)
+            faulthandler.dump_traceback_later(left + HARD_STOP_AFTER_S, exit=True, file=self.fd)
 
     def _limit(self, item: pytest.Item) -> tuple[float, bool]:
         """pytest-timeout's limit for ``item`` (0: none) and whether it times the call
