@@ -6,6 +6,7 @@ CPU stand-in: the layers run on the CPU, offloaded tensors go through ``HostTran
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from pathlib import Path
 
@@ -216,10 +217,10 @@ def test_the_plain_step_is_the_median_of_the_rounds(monkeypatch: pytest.MonkeyPa
 def test_the_hosts_slow_phase_is_left_out(monkeypatch: pytest.MonkeyPatch) -> None:
     # Three slow rounds of five (the host's slow phase) in which the plain step, bound by
     # the device, stays flat while every probed step takes 1.5 times as long on the host,
-    # and the host probes beside them read it. The host's times, and what recomputing
-    # and offloading add (1 ms and 0.5 ms a layer's forward on a calm host), come from
-    # the two calm rounds (NOTE [The host's pace]); with the pace "every", from all five,
-    # whose median is the slow phase's.
+    # and the host probes beside them read it. With the pace "calm" the host's times, and
+    # what recomputing and offloading add (1 ms and 0.5 ms a layer's forward on a calm
+    # host), come from the two calm rounds (NOTE [The host's pace]); with the pace
+    # "every", the profile's own, from all five, whose median is the slow phase's.
     import cpu_offload.plan._timing as timing_module
     from cpu_offload.plan._rounds import fast_rounds
 
@@ -251,9 +252,12 @@ def test_the_hosts_slow_phase_is_left_out(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(timing_module.HostAndDevice, "profile", recorded)
     model = _encoder()
     x = _batches()[0]
-    profile = profile_model(
+    every = profile_model(
         model, lambda: model(x).sum(), steps=2, host=True, min_tensor_size_to_offload=1024
     )
+    (runner,) = runners
+    assert runner.rebuild("every") == every
+    profile = runner.rebuild("calm")
     for cost in profile.layers:
         assert cost.host.forward_ms == pytest.approx(2.0)
         assert cost.host.backward_ms == pytest.approx(3.0)
@@ -262,9 +266,6 @@ def test_the_hosts_slow_phase_is_left_out(monkeypatch: pytest.MonkeyPatch) -> No
     assert profile.head_host_ms == pytest.approx(4.0)
     assert estimate(profile, [Choice.KEEP] * LAYERS).step_ms == pytest.approx(1000.0)
 
-    (runner,) = runners
-    assert runner.rebuild("calm") == profile
-    every = runner.rebuild("every")
     for cost, calm in zip(every.layers, profile.layers, strict=True):
         assert cost.host.forward_ms == pytest.approx(3.0)
         assert cost.host.backward_ms == pytest.approx(4.5)
@@ -297,6 +298,38 @@ def test_a_probe_counts_saved_tensors_or_measures_peaks_not_both() -> None:
     probe = Probe(layers, Clock(False), memory=True)
     assert probe.memory is False
     probe.remove()
+
+
+class _GlueBetweenLayers(nn.Module):
+    """A model whose loop spends ``glue_s`` on the host before each layer but the first."""
+
+    def __init__(self, glue_s: float) -> None:
+        super().__init__()
+        self.glue_s = glue_s
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            if i:
+                time.sleep(self.glue_s)
+            x = layer(x)
+        return x
+
+
+def test_a_layers_host_time_runs_from_the_previous_layers_end() -> None:
+    # NOTE [A layer's host time runs from the previous layer's end]: what the host does
+    # between two layers' hooks goes to the next layer's host time; the device's clock
+    # still times each layer from its pre-hook.
+    from cpu_offload.plan._probe import Clock, timed_step
+
+    model = _GlueBetweenLayers(0.03)
+    x = torch.randn(4, 8)
+    _, times = timed_step(list(model.layers), lambda: model(x).sum(), Clock(False))
+    assert times.host_forward[0] < 30.0
+    assert min(times.host_forward[1:]) >= 30.0
+    assert max(times.forward) < 30.0
+    # The backward has no glue: the same times for the layers after the first.
+    assert max(times.host_backward) < 30.0
 
 
 class _Times:
