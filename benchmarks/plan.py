@@ -13,10 +13,11 @@ train (no ``CUBLAS_WORKSPACE_CONFIG``, no deterministic algorithms: see
 ``_report.timed_as_users_train``); the numerics are compared afterwards with
 deterministic kernels. The host's speed on a shared machine drifts in phases: each
 measurement lies between two runs of the profile's host probe, and the figures over the
-rounds the probe read calm (the host speed the profile models) are reported beside those
-over every round. Each plan is also modelled from the same profile's rounds with the
-host's times of every round (pace ``"every"``, NOTE [The host's pace]; not with
-``--parts``), to check which pace models the measured median.
+rounds the probe read calm are reported beside those over every round. The profile
+takes the host's times from every round (pace ``"every"``, the default: NOTE [The
+host's pace]); each plan is also modelled from the same profile's rounds with the
+host's times of the calm rounds only (pace ``"calm"``; not with ``--parts``), to check
+which pace models the measured median.
 
     python benchmarks/plan.py --json plan.json --markdown plan.md
     python benchmarks/plan.py --quick        # smaller models, about a minute
@@ -304,9 +305,9 @@ def _timed(  # type: ignore[no-untyped-def]
     assert none_peak is not None
     with _runners() as runners:
         profile = profile_model(model, step, steps=steps, warmup=warmup, parts=parts)
-    # The same rounds with the host's times of every round (without parts: their host
-    # probes run after the profile's own).
-    every = runners[0].rebuild("every") if runners and not parts else None
+    # The same rounds with the host's times of the calm rounds only (without parts: their
+    # host probes run after the profile's own).
+    calm_host = runners[0].rebuild("calm") if runners and not parts else None
     wanted = None if ks is None else {f"k={k}" for k in ks}
     methods = {
         m: c
@@ -344,8 +345,8 @@ def _timed(  # type: ignore[no-untyped-def]
     for label, choices in methods.items():
         est = estimate(profile, choices)
         singles[label] = {"modelled": [est.step_ms, est.peak_bytes], **timed[label]}
-        singles[label]["modelled_every_ms"] = (
-            None if every is None else estimate(every, choices).step_ms
+        singles[label]["modelled_calm_host_ms"] = (
+            None if calm_host is None else estimate(calm_host, choices).step_ms
         )
     for label in own:
         singles[label] = {"modelled": None, **timed[label]}
@@ -371,7 +372,7 @@ def _timed(  # type: ignore[no-untyped-def]
         uncounted = sum(
             1 for v in singles.values() if v["measured"][1] <= peak and v["calm_ms"] is None
         )
-        every_ms = None if every is None else estimate(every, final.choices).step_ms
+        calm_host_ms = None if calm_host is None else estimate(calm_host, final.choices).step_ms
         rows.append(
             {
                 "fraction": fraction,
@@ -397,9 +398,11 @@ def _timed(  # type: ignore[no-untyped-def]
                 "calm_ms": calm_ms,
                 "calm_rounds": timed[f"plan {fraction}"]["calm_rounds"],
                 "model_step_error_calm": None if calm_ms is None else final.step_ms / calm_ms - 1,
-                # The same plan modelled with the host's times of every round.
-                "modelled_every_ms": every_ms,
-                "model_step_error_every": None if every_ms is None else every_ms / ms - 1,
+                # The same plan modelled with the host's times of the calm rounds only.
+                "modelled_calm_host_ms": calm_host_ms,
+                "model_step_error_calm_host": None
+                if calm_host_ms is None
+                else calm_host_ms / ms - 1,
                 "best_single_calm": None if best_calm is None else best_calm[1],
                 "singles_without_calm_round": uncounted,
                 "speedup_vs_best_single_calm": None
@@ -415,14 +418,16 @@ def _timed(  # type: ignore[no-untyped-def]
         "layers": n,
         "none": {
             "modelled": [keep.step_ms, keep.peak_bytes],
-            "modelled_every_ms": None if every is None else estimate(every, keep_choices).step_ms,
+            "modelled_calm_host_ms": None
+            if calm_host is None
+            else estimate(calm_host, keep_choices).step_ms,
             **timed["none"],
         },
         "link_gbps": [profile.link.d2h_gbps, profile.link.h2d_gbps, profile.link.duplex_gbps],
         # The whole profile, so that a change to the model can be checked against these
         # measurements without the GPU.
         "profile": dataclasses.asdict(profile),
-        "profile_every": None if every is None else dataclasses.asdict(every),
+        "profile_calm_host": None if calm_host is None else dataclasses.asdict(calm_host),
         "rows": rows,
         "singles": singles,
         "plans": plans,
@@ -478,10 +483,10 @@ def _calm_text(row: dict, singles: dict) -> str:
     return text + (f"; {missing} method(s) at <= peak without a calm round" if missing else "")
 
 
-def _every_text(row: dict) -> str:
-    """The plan's model error (against the median) with the host's times of every round,
-    where modelled."""
-    error = row.get("model_step_error_every")
+def _calm_host_text(row: dict) -> str:
+    """The plan's model error (against the median) with the host's times of the calm
+    rounds only, where modelled."""
+    error = row.get("model_step_error_calm_host")
     return "" if error is None else f" [{error:+.1%}]"
 
 
@@ -514,7 +519,7 @@ def _markdown(results: list[dict], device: str, rounds: int, steps: int, warmup:
             f"{res['none']['modelled'][0]:.1f} ms, {res['none']['modelled'][1] / gib:.2f} GiB)",
             "",
             "| budget GiB | plan | modelled ms / GiB | measured ms / GiB | spread of the rounds "
-            "| model error step (fastest round) [every round's host] / peak | exact | best single method at <= peak | its ms / GiB "
+            "| model error step (fastest round) [calm host's model] / peak | exact | best single method at <= peak | its ms / GiB "
             "| plan speedup | calm rounds: plan ms (rounds), model error, best single (ms, rounds), speedup |",
             "|---:|---|---:|---:|---:|---:|---|---|---:|---:|---|",
         ]
@@ -532,7 +537,7 @@ def _markdown(results: list[dict], device: str, rounds: int, steps: int, warmup:
                 f"{r['measured'][1] / gib:.2f}{'' if r['within_budget'] else ' (over)'} | "
                 f"{_spread(r['round_medians_ms']):.1%} | "
                 f"{r['model_step_error']:+.1%} ({r['model_step_error_fastest']:+.1%})"
-                f"{_every_text(r)} / {r['model_peak_error']:+.1%} | "
+                f"{_calm_host_text(r)} / {r['model_peak_error']:+.1%} | "
                 f"{'yes' if r['exact'] else 'NO'} | {r['best_single'] or '-'} | "
                 + ("-" if best is None else f"{best[0]:.1f} / {best[1] / gib:.2f}")
                 + " | "

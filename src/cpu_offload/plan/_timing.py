@@ -131,9 +131,9 @@ class HostAndDevice(Together):
     #: Megatron-Core's GPT at 53.1, 46.4, 46.3, 51.9 and 52.3 ms, and the median of the
     #: rounds modelled the step 13% above the 45.8 ms it trained at.
     FAST_PHASE = 0.03
-    #: Which rounds the host's times come from (:func:`._rounds.host_rounds`): ``"calm"``,
-    #: those its probe read calm, or ``"every"`` round (NOTE [The host's pace]).
-    HOST_PACE = "calm"
+    #: Which rounds the host's times come from (:func:`._rounds.host_rounds`): ``"every"``
+    #: round, or ``"calm"``, those its probe read calm (NOTE [The host's pace]).
+    HOST_PACE = "every"
     #: The calm reference of :meth:`profile`'s host probes, and whether it timed
     #: recomputation: what :meth:`part_host` measures beside them.
     calm_probe_ms: float | None = None
