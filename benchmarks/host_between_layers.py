@@ -6,7 +6,9 @@ does for it (a recomputed layer's checkpoint, an offloaded layer's engine) runs 
 the module hooks. This script times, in steps with every layer kept and with every layer
 recomputed (alternating rounds), the forward on the host split four ways: before the
 first layer's pre-hook, inside the layers' hooks, between one layer's forward hook and
-the next layer's pre-hook, and after the last layer. It is the measurement behind NOTE
+the next layer's pre-hook, and after the last layer. What the package does for the
+first layer outside its hooks lies before it, with the model's own work there, and for
+the last layer after it. It is the measurement behind NOTE
 [A layer's host time runs from the previous layer's end] in
 ``cpu_offload/plan/_probe.py``.
 
@@ -99,6 +101,9 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=8, help="timed steps per configuration")
     p.add_argument("--quick", action="store_true", help="the smaller models of plan.py")
     args = p.parse_args()
+    for flag in ("rounds", "steps"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
     names = args.workloads.split(",")
     for name in names:
         if name not in WORKLOAD_DIMS:

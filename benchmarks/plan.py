@@ -188,7 +188,7 @@ def _alternated(  # type: ignore[no-untyped-def]
 
     Each measurement also lies between two runs of the profile's host probe (NOTE [The
     host's pace] in ``cpu_offload/plan/_rounds.py``): ``calm_ms`` is the median of the
-    rounds whose probe read the host calm, the speed the profile models."""
+    rounds whose probe read the host calm, the speed the pace ``"calm"`` models."""
     keep = [Choice.KEEP] * len(find_layers(model))
     medians: dict[str, list[float]] = {label: [] for label in configs}
     probes: dict[str, list[float]] = {label: [] for label in configs}

@@ -214,7 +214,7 @@ def test_the_plain_step_is_the_median_of_the_rounds(monkeypatch: pytest.MonkeyPa
     assert estimate(profile, [Choice.KEEP] * LAYERS).step_ms == pytest.approx(1000.0)
 
 
-def test_the_hosts_slow_phase_is_left_out(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_hosts_pace_picks_the_rounds_of_its_times(monkeypatch: pytest.MonkeyPatch) -> None:
     # Three slow rounds of five (the host's slow phase) in which the plain step, bound by
     # the device, stays flat while every probed step takes 1.5 times as long on the host,
     # and the host probes beside them read it. With the pace "calm" the host's times, and
@@ -242,6 +242,7 @@ def test_the_hosts_slow_phase_is_left_out(monkeypatch: pytest.MonkeyPatch) -> No
                     run.host_forward = [factor * (2.0 + adds[name])] * len(run.host_forward)
                     run.host_backward = [factor * 3.0] * len(run.host_backward)
                     run.host_head_ms = factor * 4.0
+                    run.host_lead_ms = factor * 0.5
         return out, plain, probes
 
     def recorded(self, *args):  # type: ignore[no-untyped-def]
@@ -332,11 +333,52 @@ def test_a_layers_host_time_runs_from_the_previous_layers_end() -> None:
     assert max(times.host_backward) < 30.0
 
 
+class _OwnCall(nn.Linear):
+    """A layer whose class defines ``__call__``, as Megatron-Core's and transformers' do:
+    offload_layers wraps it around that ``__call__``, outside its module hooks."""
+
+    def __call__(self, *args: object, **kwargs: object) -> torch.Tensor:
+        return super().__call__(*args, **kwargs)
+
+
+def test_the_packages_work_outside_a_layers_hooks_is_its_host_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A recomputed layer's checkpoint starts before the layer's hooks run: 30 ms of it
+    # counts for the layers after the first, and for the first in the step's lead; the
+    # layer's own forward (from its pre-hook) leaves it out.
+    import cpu_offload._layer_runner as runner_module
+    from cpu_offload.plan._probe import Clock, timed_step
+
+    real = runner_module.recompute
+
+    def slow(*args: object) -> object:
+        time.sleep(0.03)
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(runner_module, "recompute", slow)
+    layers = [_OwnCall(8, 8) for _ in range(3)]
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def step() -> torch.Tensor:
+        y = x
+        for layer in layers:
+            y = layer(y)
+        return y.sum()
+
+    with offload_layers(layers, offloaded=(), recomputed=range(3)):
+        _, times = timed_step(layers, step, Clock(False))
+    assert times.host_lead_ms >= 30.0
+    assert min(times.host_forward[1:]) >= 30.0
+    assert max(times.host_forward_own) < 30.0
+
+
 class _Times:
     """Stand-in for a probed step's times: what the host took per layer."""
 
-    def __init__(self, forward: list[float], backward: list[float]) -> None:
+    def __init__(self, forward: list[float], backward: list[float], lead_ms: float = 0.0) -> None:
         self.host_forward, self.host_backward = forward, backward
+        self.host_lead_ms = lead_ms
 
 
 def test_offloadings_host_time_is_split_into_the_engines_share_and_the_layers() -> None:
@@ -344,15 +386,18 @@ def test_offloadings_host_time_is_split_into_the_engines_share_and_the_layers() 
 
     # 4 layers, the first 2 offloaded. Every layer under the engine takes 0.5 ms more to
     # enqueue its forward and 0.25 more its backward; the offloaded layers 2 more each
-    # (forward), and their reloads 3 in all (backward, in layers 1 and 2's steps).
-    # The host runs 1.5 times slower in the second round, for both configurations.
+    # (forward), and their reloads 3 in all (backward, in layers 1 and 2's steps). The
+    # engine's work for the first layer, 1 ms, runs before that layer's hooks, in the
+    # step's lead (0.5 ms of the model's own without offloading): it is the offloaded
+    # layers' too. The host runs 1.5 times slower in the second round, for both
+    # configurations.
     def kept(speed: float) -> list[_Times]:
-        return [_Times([speed] * 4, [2 * speed] * 4)] * 3
+        return [_Times([speed] * 4, [2 * speed] * 4, lead_ms=0.5 * speed)] * 3
 
     def offload(speed: float) -> list[_Times]:
-        fwd = [speed * v for v in (3.5, 3.5, 1.5, 1.5)]
+        fwd = [speed * v for v in (2.5, 3.5, 1.5, 1.5)]
         bwd = [speed * v for v in (2.25, 3.75, 3.75, 2.25)]
-        return [_Times(fwd, bwd)] * 3
+        return [_Times(fwd, bwd, lead_ms=1.5 * speed)] * 3
 
     speeds = (1.0, 1.5, 1.0)
     extras = offload_extras([offload(v) for v in speeds], [kept(v) for v in speeds], n=4, m=2)

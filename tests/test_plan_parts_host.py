@@ -82,8 +82,9 @@ def test_the_probes_take_the_cheapest_part_and_the_fewest_bytes() -> None:
 class _Times:
     """Stand-in for a probed step's times: what the host took per layer."""
 
-    def __init__(self, forward: list[float], backward: list[float]) -> None:
+    def __init__(self, forward: list[float], backward: list[float], lead_ms: float = 0.0) -> None:
         self.host_forward, self.host_backward = forward, backward
+        self.host_lead_ms = lead_ms
 
 
 def test_the_fixed_cost_is_what_a_probe_adds_beyond_the_shares() -> None:
@@ -109,7 +110,7 @@ def test_the_fixed_cost_is_what_a_probe_adds_beyond_the_shares() -> None:
         rounds["offload"].append(runs([sent_f] * 2 + [2.5] * 2, [sent_b] * 2 + [4.25] * 2, pace))
     # The probes read the second round slow: it is left out.
     probe_ms = dict.fromkeys(rounds, [5.0, 7.5, 5.0])
-    out = with_part_host(profile, probes, rounds, probe_ms, 5.0)  # type: ignore[arg-type]
+    out = with_part_host(profile, probes, rounds, probe_ms, 5.0, pace="calm")  # type: ignore[arg-type]
     for cost in out.layers:
         assert cost.host is not None
         for name, value in FIXED.items():
@@ -117,7 +118,7 @@ def test_the_fixed_cost_is_what_a_probe_adds_beyond_the_shares() -> None:
         assert replace(cost.host, **dict.fromkeys(FIXED, 0.0)) == HOST
     # A probe that adds nothing beyond the shares leaves no fixed cost (and none below 0).
     rounds["recompute"] = rounds["keep"]
-    out = with_part_host(profile, probes, rounds, probe_ms, 5.0)  # type: ignore[arg-type]
+    out = with_part_host(profile, probes, rounds, probe_ms, 5.0, pace="calm")  # type: ignore[arg-type]
     assert out.layers[0].host is not None
     assert out.layers[0].host.part_recompute_forward_ms == 0.0
 

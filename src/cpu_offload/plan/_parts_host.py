@@ -110,7 +110,8 @@ def with_part_host(
     rounds: Mapping[str, list[list[StepTimes]]],
     probe_ms: Mapping[str, Sequence[float]],
     reference: float,
-    pace: str = "calm",
+    *,
+    pace: str,
 ) -> Profile:
     """``profile`` with the host's fixed cost per part, from the probes' rounds.
 
@@ -125,11 +126,10 @@ def with_part_host(
         rounds: Each probe's probed steps per round, and ``"keep"``'s (no layer
             offloaded or recomputed) of the same rounds.
         probe_ms: Each configuration's host probe per round, and ``reference`` the
-            calm reference of the profile's other host times (:func:`._rounds.calm`):
-            each probe's fixed cost comes from the rounds in which it and ``"keep"``
-            were calm (:func:`._rounds.quiet_rounds`).
-        pace: Which rounds (:func:`._rounds.host_rounds`): ``"calm"`` as above, or
-            ``"every"`` round.
+            calm reference of the profile's other host times (:func:`._rounds.calm`).
+        pace: Which rounds each probe's fixed cost comes from
+            (:func:`._rounds.host_rounds`): ``"every"`` round, or ``"calm"``, those in
+            which it and ``"keep"`` were calm (:func:`._rounds.quiet_rounds`).
     """
     layers = [
         c if c.host is None else replace(c, host=_without_part_costs(c.host))

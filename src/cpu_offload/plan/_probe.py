@@ -3,7 +3,8 @@
 A probed step gives, per layer, the forward and backward time on the clock of the
 device (CUDA events, or the wall clock on the CPU) and on the host's wall clock
 (``time.perf_counter`` in the hooks: how long the host took to get through the layer's
-Python, autograd and kernel launches). Where the host bounds a step, the two agree; to
+Python, autograd and kernel launches, from the previous layer's end: NOTE [A layer's host
+time runs from the previous layer's end]). Where the host bounds a step, the two agree; to
 see the device's own time there, a probed step may first hold the compute stream back
 (``torch.cuda._sleep``) before each layer, so that the host has enqueued the whole layer
 before the stream reaches it (NOTE [Device time under a host-bound step]).
@@ -68,8 +69,14 @@ __all__ = [
 # Megatron-Core's GPT (12 layers, h 1024) added 3.1 to 3.8 ms between the hooks of the
 # step's forward (0.5 with every layer kept) and a transformers Llama 4.2 to 4.8 ms (0.3):
 # about half of what recomputation adds to the forward, which pre-hook-to-hook times left
-# out. The first layer's start stays its pre-hook: what runs before it is the model's own.
-# The backward is timed from one layer's backward hook to the next already.
+# out. The first layer's start stays its pre-hook, and the last layer's end its forward
+# hook: what the package does for the first layer before the hook lies in the step's lead
+# (``StepTimes.host_lead_ms``, from the step's start), which the totals of what a choice
+# adds count (:func:`._rounds.extra` with ``lead=True``); what it does for the last layer
+# after the hook lies in the head, which the model takes from steps with every layer
+# kept, and is left out. What a layer runs by itself (a recomputation, the stream held
+# for it) is timed from its own pre-hook (``host_forward_own``). The backward is timed
+# from one layer's backward hook to the next already.
 
 
 class Clock:
@@ -141,6 +148,10 @@ class Probe:
         self.fwd: list[list[object]] = [[] for _ in layers]  # start, end
         self.bwd: list[list[object]] = [[] for _ in layers]  # start, end
         self.host_fwd: list[list[float]] = [[] for _ in layers]
+        #: Each layer's forward pre-hook on the host's clock.
+        self.host_pre: list[float] = [0.0] * n
+        #: When the step began on the host's clock (set by :func:`timed_step`).
+        self.host_start = 0.0
         self.host_bwd: list[list[float]] = [[] for _ in layers]
         self.saved: list[list[torch.Tensor]] = [[] for _ in layers]
         #: (distinct bytes saved, bytes the engine would offload) per layer.
@@ -188,6 +199,7 @@ class Probe:
             # previous layer's end]).
             ended = self._ended
             self.host_fwd[j] = [ended[1] if ended is not None and ended[0] == j - 1 else now]
+            self.host_pre[j] = now
             self._hold(j)
             self.fwd[j] = [self.clock.now()]
             x = _first_tensor(args)
@@ -280,6 +292,14 @@ class StepTimes:
         self.forward = [clock.ms(f[0], f[1]) for f in probe.fwd]
         self.backward = [clock.ms(b[0], b[1]) for b in probe.bwd]
         self.host_forward = [(h[1] - h[0]) * 1e3 for h in probe.host_fwd]
+        #: Each layer's forward from its own pre-hook: the layer alone, without the host
+        #: time before it (what a recomputation runs again, what the stream is held for).
+        self.host_forward_own = [
+            (h[1] - pre) * 1e3 for h, pre in zip(probe.host_fwd, probe.host_pre, strict=True)
+        ]
+        #: From the step's start to the first layer's forward: the model's own work before
+        #: it, and the package's for the first layer where it runs outside the hooks.
+        self.host_lead_ms = (probe.host_fwd[0][0] - probe.host_start) * 1e3
         self.host_backward = [(h[1] - h[0]) * 1e3 for h in probe.host_bwd]
         #: From the end of the last layer's forward to the start of its backward.
         self.head_ms = clock.ms(probe.head[0], probe.head[1])
@@ -305,6 +325,7 @@ def timed_step(
         if clock.cuda:
             torch.cuda.synchronize()
         start = clock.now()
+        probe.host_start = time.perf_counter()
         loss = step()
         if not isinstance(loss, torch.Tensor):
             raise TypeError(

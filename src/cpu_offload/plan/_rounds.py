@@ -5,8 +5,8 @@ about a second, seen on the H100 host of our benchmarks). The profile therefore 
 its configurations in rounds, each round taking every configuration once beside a plain
 step: what a choice adds is the difference of two configurations measured in the same
 round, median over the rounds the host's pace picks: every round, or those in which the
-host ran calm (NOTE [The host's pace]); the plain step and the device's times come from the rounds of the fast phase of the plain
-step (:func:`fast_rounds`).
+host ran calm (NOTE [The host's pace]); the plain step and the device's times come from
+the rounds of the fast phase of the plain step (:func:`fast_rounds`).
 """
 
 # NOTE [The host's pace]
@@ -25,8 +25,8 @@ step (:func:`fast_rounds`).
 # calm runs spread by about 10% above it); a probe within :data:`HOST_NOISE` of it is
 # calm. With the pace "calm", the host's times come from calm configurations only, and
 # what a choice adds from rounds where both configurations were calm (where none is,
-# the calmest rounds: :func:`quiet_rounds`). Where the host runs slow for most of a profile, its lower
-# quartile is slow too, and slow runs pass for calm. The times are not scaled by the
+# the calmest rounds: :func:`quiet_rounds`). Where the host runs slow for most of a
+# profile, its lower quartile is slow too, and slow runs pass for calm. The times are not scaled by the
 # probe: in one run the probe ran up to 2.3 times its calm time where the plan's CPU
 # time ran 1.9 times, and scaling by it modelled plans up to 13% fast.
 #
@@ -174,9 +174,13 @@ def extra(
     field: str,
     per: int,
     layers: Sequence[int] | None = None,
+    lead: bool = False,
 ) -> float:
     """Host time ``variant`` took beyond ``kept`` in ``layers`` (all if None), per ``per``
-    layers: the median over rounds of each round's difference.
+    layers: the median over rounds of each round's difference. With ``lead``, the step's
+    lead too (``StepTimes.host_lead_ms``, where the package's work for the first layer
+    lies when it runs outside the layer's hooks: NOTE [A layer's host time runs from the
+    previous layer's end] in ``_probe.py``).
 
     At least 0: a difference below 0 is the host's noise, not a saving.
     """
@@ -184,7 +188,11 @@ def extra(
     for v, k in zip(variant, kept, strict=True):
         vm, km = median_times(v, field), median_times(k, field)
         js = range(len(vm)) if layers is None else layers
-        diffs.append(sum(vm[j] - km[j] for j in js))
+        diff = sum(vm[j] - km[j] for j in js)
+        if lead:
+            diff += statistics.median(r.host_lead_ms for r in v)
+            diff -= statistics.median(r.host_lead_ms for r in k)
+        diffs.append(diff)
     return max(statistics.median(diffs) / per, 0.0)
 
 
@@ -204,10 +212,13 @@ def offload_extras(
     puts their copies and reloads in other layers' steps.
     """
     out = {}
-    for way, clean in (("forward", range(m + 1, n)), ("backward", range(n - 1, n))):
+    # The forward's total counts the step's lead, where the package's work for the first
+    # layer lies when it runs outside the layer's hooks.
+    ways = (("forward", range(m + 1, n), True), ("backward", range(n - 1, n), False))
+    for way, clean, lead in ways:
         field = f"host_{way}"
         engaged = extra(offload, kept, field, len(clean), clean) if clean else 0.0
-        total = extra(offload, kept, field, 1)
+        total = extra(offload, kept, field, 1, lead=lead)
         out[f"engaged_{way}_ms"] = engaged
         out[f"offload_{way}_ms"] = max((total - (n - m) * engaged) / m, 0.0)
     return out

@@ -107,7 +107,7 @@ class HostAndDevice(Together):
         host_ms = [
             max(f, b)
             for f, b in zip(
-                median_times(host_runs, "host_forward"),
+                median_times(host_runs, "host_forward_own"),
                 median_times(host_runs, "host_backward"),
                 strict=True,
             )
@@ -209,13 +209,14 @@ class HostAndDevice(Together):
         host_runs_kept = flat(picked(rounds["keep"], host_rounds(pace, ref, probes["keep"])))
         host_f = median_times(host_runs_kept, "host_forward")
         host_b = median_times(host_runs_kept, "host_backward")
+        host_own = median_times(host_runs_kept, "host_forward_own")
         host = HostCost(forward_ms=0.0, backward_ms=0.0)
         if "recompute" in rounds:
             both = host_rounds(pace, ref, probes["recompute"], probes["keep"])
             again, plain = picked(rounds["recompute"], both), picked(rounds["keep"], both)
             host = replace(
                 host,
-                recompute_forward_ms=extra(again, plain, "host_forward", n),
+                recompute_forward_ms=extra(again, plain, "host_forward", n, lead=True),
                 recompute_backward_ms=extra(again, plain, "host_backward", n),
             )
         if "offload" in rounds:
@@ -234,10 +235,11 @@ class HostAndDevice(Together):
                     host,
                     forward_ms=host_f[j],
                     backward_ms=host_b[j],
-                    # Not measured: a recomputation takes the host one forward again.
+                    # Not measured: a recomputation takes the host the layer's own
+                    # forward again.
                     recompute_backward_ms=host.recompute_backward_ms
                     if "recompute" in rounds
-                    else host_f[j],
+                    else host_own[j],
                 ),
             )
             for j, c in enumerate(got.costs)
@@ -271,7 +273,7 @@ class HostAndDevice(Together):
             every_round,
             host_probes,
             self.calm_probe_ms,
-            self.HOST_PACE if pace is None else pace,
+            pace=self.HOST_PACE if pace is None else pace,
         )
 
 
