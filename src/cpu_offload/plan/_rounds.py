@@ -26,9 +26,9 @@ the rounds of the fast phase of the plain step (:func:`fast_rounds`).
 # calm. With the pace "calm", the host's times come from calm configurations only, and
 # what a choice adds from rounds where both configurations were calm (where none is,
 # the calmest rounds: :func:`quiet_rounds`). Where the host runs slow for most of a
-# profile, its lower quartile is slow too, and slow runs pass for calm. The times are not scaled by the
-# probe: in one run the probe ran up to 2.3 times its calm time where the plan's CPU
-# time ran 1.9 times, and scaling by it modelled plans up to 13% fast.
+# profile, its lower quartile is slow too, and slow runs pass for calm. The times are
+# not scaled by the probe: in one run the probe ran up to 2.3 times its calm time where
+# the plan's CPU time ran 1.9 times, and scaling by it modelled plans up to 13% fast.
 #
 # The calm host is not the host a user trains on: a plan that adds host work turns
 # host-bound and stretches with the slow phases, so against the median of measured
@@ -38,8 +38,9 @@ the rounds of the fast phase of the plain step (:func:`fast_rounds`).
 # training does. On an H100 host, with each layer's host time counted from the previous
 # layer's end (NOTE [A layer's host time runs from the previous layer's end] in
 # ``_probe.py``), every plan for Megatron-Core's GPT, a transformers Llama and compare's
-# model came within 4% of its measured median step with the pace "every" (-2.9 to
-# +3.8%), and within -10.5 to +3.8% with "calm". The pace "calm" stays for comparison:
+# model came within -2.9 to +3.8% of its measured median step with the pace "every"
+# (-10.5 to +3.8% with "calm"); in a second run, on a slower and less steady host, five
+# of the seven within 5%, and +8.1% and -10.5%. The pace "calm" stays for comparison:
 # benchmarks/plan.py models each plan both ways from one profile's rounds (without
 # --parts).
 
