@@ -158,6 +158,11 @@ def test_a_recomputed_part_costs_the_host_its_share_of_the_layer() -> None:
     untimed = tuple(replace(p, host_ms=0.0) for p in PARTS)
     use = use_of(replace(layer, parts=untimed), _parts(core=R), False)
     assert use.host_forward_ms == pytest.approx(2.0 + 0.8 / 7)
+    # Of the 2 ms, 0.4 ran before the layer's own start (the model's code between
+    # layers): the core's share is 0.25 of the layer's own 1.6 ms.
+    own = replace(layer, host=replace(host, own_forward_ms=1.6))
+    use = use_of(own, _parts(core=R), False)
+    assert use.host_forward_ms == pytest.approx(2.0 + 0.8 * 0.25 / 1.6)
 
 
 def test_part_choices_are_checked_against_the_profiled_parts() -> None:

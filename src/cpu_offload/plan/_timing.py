@@ -235,6 +235,7 @@ class HostAndDevice(Together):
                     host,
                     forward_ms=host_f[j],
                     backward_ms=host_b[j],
+                    own_forward_ms=host_own[j],
                     # Not measured: a recomputation takes the host the layer's own
                     # forward again.
                     recompute_backward_ms=host.recompute_backward_ms

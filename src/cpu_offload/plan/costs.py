@@ -53,6 +53,11 @@ class HostCost:
         part_offload_forward_ms: What each part offloaded on its own adds to the forward
             beyond its share of ``offload_forward_ms``.
         part_offload_backward_ms: The same for the backward.
+        own_forward_ms: The forward of a kept layer from the layer's own start:
+            ``forward_ms`` less the host time before it (the model's code between layers,
+            NOTE [A layer's host time runs from the previous layer's end] in
+            ``_probe.py``), what a part's share of the layer is taken of; 0 where not
+            measured (``forward_ms`` then).
     """
 
     forward_ms: float
@@ -67,6 +72,7 @@ class HostCost:
     part_recompute_backward_ms: float = 0.0
     part_offload_forward_ms: float = 0.0
     part_offload_backward_ms: float = 0.0
+    own_forward_ms: float = 0.0
 
     def forward(self, choice: Choice, engaged: bool = False) -> float:
         """Host time of the layer's forward under ``choice``; ``engaged``: the plan
