@@ -22,7 +22,7 @@ from dataclasses import replace
 from typing import Any
 
 from ._probe import StepTimes
-from ._rounds import extra, host_rounds, picked
+from ._rounds import extra, host_rounds, offloaded_half, picked
 from .costs import Choice, HostCost, LayerCost, Parts
 from .model import Profile
 from .usage import use_of
@@ -68,7 +68,7 @@ def part_probes(
         if not wanted[choice]:
             continue
         # Offloading probes the first half of the layers, as the whole-layer probe does.
-        layers = range(n) if choice is Choice.RECOMPUTE else range(max(n // 2, 1))
+        layers = range(n) if choice is Choice.RECOMPUTE else range(offloaded_half(n))
         parts = {}
         for j in layers:
             name = _probe_part(profile.layers[j], choice)

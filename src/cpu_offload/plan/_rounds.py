@@ -62,6 +62,7 @@ __all__ = [
     "flat",
     "host_rounds",
     "offload_extras",
+    "offloaded_half",
     "picked",
     "quiet_rounds",
 ]
@@ -195,6 +196,17 @@ def extra(
             diff -= statistics.median(r.host_lead_ms for r in k)
         diffs.append(diff)
     return max(statistics.median(diffs) / per, 0.0)
+
+
+def offloaded_half(n: int) -> int:
+    """How many of ``n`` layers the profile's offload configuration offloads, from the
+    first: half, at least one (never the last, where ``n > 1``).
+
+    Example:
+        >>> [offloaded_half(n) for n in (1, 2, 5, 12)]
+        [1, 1, 2, 6]
+    """
+    return max(n // 2, 1)
 
 
 def offload_extras(

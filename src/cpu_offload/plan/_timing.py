@@ -35,6 +35,7 @@ from ._rounds import (
     flat,
     host_rounds,
     offload_extras,
+    offloaded_half,
     picked,
 )
 from .model import Choice, HostCost, LayerCost, Profile, estimate
@@ -159,7 +160,7 @@ class HostAndDevice(Together):
 
     def profile(self, base: Profile, costs: list[LayerCost], recompute: bool) -> Profile:
         n = len(self.layers)
-        m = max(n // 2, 1)
+        m = offloaded_half(n)
         keep: dict[str, Any] = {"offloaded": (), "recomputed": ()}
         every: dict[str, Any] = {"offloaded": (), "recomputed": range(n)}
         configs = {"keep": keep}
@@ -205,7 +206,7 @@ class HostAndDevice(Together):
         got, ref = self.measured, self.calm_probe_ms
         rounds, probes = got.rounds, got.probes
         n = len(self.layers)
-        m = max(n // 2, 1)
+        m = offloaded_half(n)
         host_runs_kept = flat(picked(rounds["keep"], host_rounds(pace, ref, probes["keep"])))
         host_f = median_times(host_runs_kept, "host_forward")
         host_b = median_times(host_runs_kept, "host_backward")
