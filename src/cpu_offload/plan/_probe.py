@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from .._compat import in_backward
+from .._hold import cycles_per_ms
 from ..compare._profile import saved_bytes
 from ..engine.selection import ActivationPolicy
 
@@ -408,16 +409,6 @@ def host_probe_ms(ops: int = 2000) -> float:
 
 
 def sleep_cycles(host_ms: Sequence[float], margin_ms: float = 0.5) -> list[int]:
-    """GPU cycles that hold the stream back longer than the host takes, per layer.
-
-    The rate is measured once: a sleep of a million cycles timed with CUDA events.
-    """
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    cycles = 1_000_000
-    torch.cuda._sleep(cycles)  # the first launch loads the kernel
-    start.record()
-    torch.cuda._sleep(cycles)
-    end.record()
-    end.synchronize()
-    per_ms = cycles / max(start.elapsed_time(end), 1e-3)
+    """GPU cycles that hold the stream back longer than the host takes, per layer."""
+    per_ms = cycles_per_ms()
     return [int((1.5 * h + margin_ms) * per_ms) for h in host_ms]
