@@ -266,23 +266,18 @@ _set_eval_frame: Callable[[object], object] | None = getattr(
 )
 
 
-def swap_dynamo_callback(callback: object) -> object:
-    """Set TorchDynamo's frame-evaluation callback of this thread; return the previous one.
+def _no_dynamo(callback: object) -> object:  # pragma: no cover - every release has it
+    return None
 
-    ``None`` switches Dynamo's frame evaluation off: Python functions called afterwards
-    run as written, none is compiled, until the previous callback is set back. What
-    ``torch._dynamo.disable`` does, without its wrapper objects (a pair of calls took
-    0.05 us on a 2-core CPU when nothing was compiled).
 
-    Args:
-        callback: What the previous call returned, or None.
-
-    Returns:
-        The callback that was set (None while no compiled code runs).
-    """
-    if _set_eval_frame is None:  # pragma: no cover - every supported release has it
-        return None
-    return _set_eval_frame(callback)
+#: ``swap_dynamo_callback(callback)``: set TorchDynamo's frame-evaluation callback of this
+#: thread and return the previous one (None while no compiled code runs). ``None``
+#: switches Dynamo's frame evaluation off: Python functions called afterwards run as
+#: written, none is compiled, until the previous callback is set back. What
+#: ``torch._dynamo.disable`` does, without its wrapper objects. The C function itself,
+#: not a Python wrapper around it: the saved-tensor hooks call it twice per saved tensor
+#: (NOTE [torch.compile and the offload engine] in ``_compile.py``).
+swap_dynamo_callback: Callable[[object], object] = _set_eval_frame or _no_dynamo
 
 
 def is_fake_or_functional(tensor: torch.Tensor) -> bool:
