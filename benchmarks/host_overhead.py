@@ -11,7 +11,9 @@ step: this benchmark measures that price, on the GPU or on the CPU stand-in.
 * **model**: the GPT stack of ``cpu-offload compare`` (on CUDA its default model: 8 layers,
   hidden 2048, 16 heads, seq 2048, batch 2, bf16; on the CPU a small one), run without
   offloading, with V2 and nothing eligible (hooks only), and with V2 offloading k layers
-  (with ``--duplex`` also the duplex schedule). For each: the host time to enqueue one
+  (with ``--duplex`` also the duplex schedule); beside them the floor of any saved-tensor
+  hooks: hooks that only detach what they are given (as V2's do with a tensor they keep,
+  NOTE [Kept tensors are detached]), entered around each layer. For each: the host time to enqueue one
   step (no synchronization; on the CPU this is the whole step, timed as the thread's CPU
   time so that other work on the machine disturbs it less), the step time, the peak
   memory on CUDA, and the tensors saved per step. Variants run in turns and the best turn
@@ -149,6 +151,14 @@ class Variant:
     sync: object = None
 
 
+def _kept(t: torch.Tensor) -> torch.Tensor:
+    return t if t.requires_grad and t.is_leaf else t.detach()
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 class _Counter:
     """Counts the tensors saved for backward during one step (outer hooks)."""
 
@@ -167,11 +177,14 @@ def run_model(spec: ModelSpec, device: str, k: int, duplex: bool, turns: int, st
     small = {"min_tensor_size_to_offload": 0} if on_cpu else {}
     variants = [
         Variant("none", None),
+        Variant("hooks floor", None),
         Variant("v2 nothing eligible", {"num_layers": k, "min_tensor_size_to_offload": NEVER}),
         Variant(f"v2 k={k}", {"num_layers": k, **small}),
     ]
     if duplex and device == "cuda":  # the stand-in's copies are synchronous: no second lane
         variants.append(Variant(f"v2 k={k} duplex", {"num_layers": k, "duplex": True, **small}))
+    variants[1].ctx = torch.autograd.graph.saved_tensors_hooks(_kept, _same)
+    variants[1].sync = _same
     for v in variants:
         if v.kwargs is not None:
             if not v.kwargs.get("duplex"):  # duplex makes its own transport
@@ -241,7 +254,8 @@ def run_model(spec: ModelSpec, device: str, k: int, duplex: bool, turns: int, st
                 "peak_mib": v.peak_mib,
             }
         )
-    return {"spec": repr(spec), "rows": rows, "profile": _profile(variants[2], one_step, device)}
+    offloading = next(v for v in variants if v.name == f"v2 k={k}")
+    return {"spec": repr(spec), "rows": rows, "profile": _profile(offloading, one_step, device)}
 
 
 def _profile(v: Variant, one_step: Callable[[Variant], None], device: str) -> str:
