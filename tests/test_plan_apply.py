@@ -195,6 +195,7 @@ def test_the_plain_step_is_the_median_of_the_rounds(monkeypatch: pytest.MonkeyPa
     import cpu_offload.plan._timing as timing_module
     import cpu_offload.plan.profile as profile_module
 
+    monkeypatch.setattr(timing_module.HostAndDevice, "ROUNDS", 5)
     times = iter([9000.0, 1000.0, 5000.0, 1000.0, 1000.0, 1000.0])
     calls = []
 
@@ -225,6 +226,7 @@ def test_the_hosts_pace_picks_the_rounds_of_its_times(monkeypatch: pytest.Monkey
     from cpu_offload.plan._rounds import fast_rounds
 
     slow = [False, True, False, True, True]
+    monkeypatch.setattr(timing_module.HostAndDevice, "ROUNDS", len(slow))
     monkeypatch.setattr(timing_module, "plain_step_ms", lambda step, clock, steps: 1000.0)
     rounds = iter(slow)
     real_rounds = timing_module.HostAndDevice._rounds
