@@ -39,8 +39,9 @@ the rounds of the fast phase of the plain step (:func:`fast_rounds`).
 # layer's end (NOTE [A layer's host time runs from the previous layer's end] in
 # ``_probe.py``), every plan for Megatron-Core's GPT, a transformers Llama and compare's
 # model came within -2.9 to +3.8% of its measured median step with the pace "every"
-# (-10.5 to +3.8% with "calm"); in a second run, on a slower and less steady host, five
-# of the seven within 5%, and +8.1% and -10.5%. The pace "calm" stays for comparison:
+# (-10.5 to +3.8% with "calm"); in each of three more runs, on slower and less steady
+# hosts (rounds of one configuration 11 to 52% apart), five of the seven within 5% and
+# two at 6.2 to 10.5%. The pace "calm" stays for comparison:
 # benchmarks/plan.py models each plan both ways from one profile's rounds (without
 # --parts).
 

@@ -126,7 +126,7 @@ class HostAndDevice(Together):
     #: plain step and the device's times come from the rounds of the fast phase (see
     #: :data:`FAST_PHASE`), the host's times from the rounds :data:`HOST_PACE` picks.
     #: Nine: on an H100 host one round's host time of recomputing a layer's forward ran
-    #: from 0.36 to 1.1 ms (benchmarks/host_between_layers.py), and with five rounds the
+    #: from 0.37 to 1.07 ms (benchmarks/host_between_layers.py), and with five rounds the
     #: same plan for a transformers Llama (10 of 12 layers recomputed) was modelled 10.5%
     #: below its measured step in one run and 6.9% above in another; a median of nine
     #: spreads about three quarters as far as one of five.
