@@ -13,10 +13,10 @@ step: this benchmark measures that price, on the GPU or on the CPU stand-in.
   offloading, with V2 and nothing eligible (hooks only), and with V2 offloading k layers
   (with ``--duplex`` also the duplex schedule); beside them the floor of any saved-tensor
   hooks: hooks that only detach what they are given (as V2's do with a tensor they keep,
-  NOTE [Kept tensors are detached]), entered around each layer. For each: the host time to enqueue one
-  step (no synchronization; on the CPU this is the whole step, timed as the thread's CPU
-  time so that other work on the machine disturbs it less), the step time, the peak
-  memory on CUDA, and the tensors saved per step. Variants run in turns and the best turn
+  NOTE [Kept tensors are detached]), entered around each layer. For each: the host time
+  to enqueue one step (no synchronization; on the CPU this is the whole step, timed as
+  the thread's CPU time so that other work on the machine disturbs it less), the step
+  time, the peak memory on CUDA, and the tensors saved per step. Variants run in turns and the best turn
   is kept, so that a busy machine disturbs every variant alike.
 * **profile**: where the host time of the V2 step goes, as a cProfile table of the
   functions of ``cpu_offload`` (and on CUDA a torch.profiler table).
@@ -177,14 +177,17 @@ def run_model(spec: ModelSpec, device: str, k: int, duplex: bool, turns: int, st
     small = {"min_tensor_size_to_offload": 0} if on_cpu else {}
     variants = [
         Variant("none", None),
-        Variant("hooks floor", None),
+        Variant(
+            "hooks floor",
+            None,
+            ctx=torch.autograd.graph.saved_tensors_hooks(_kept, _same),
+            sync=_same,
+        ),
         Variant("v2 nothing eligible", {"num_layers": k, "min_tensor_size_to_offload": NEVER}),
         Variant(f"v2 k={k}", {"num_layers": k, **small}),
     ]
     if duplex and device == "cuda":  # the stand-in's copies are synchronous: no second lane
         variants.append(Variant(f"v2 k={k} duplex", {"num_layers": k, "duplex": True, **small}))
-    variants[1].ctx = torch.autograd.graph.saved_tensors_hooks(_kept, _same)
-    variants[1].sync = _same
     for v in variants:
         if v.kwargs is not None:
             if not v.kwargs.get("duplex"):  # duplex makes its own transport

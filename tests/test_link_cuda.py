@@ -17,13 +17,17 @@ NBYTES = 64 << 20  # about 1.2 ms per copy at 55 GB/s
 def test_a_slow_host_does_not_read_as_a_slow_link(monkeypatch):
     quiet = measure_link(NBYTES, repeats=3)
     plain_copy = torch.Tensor.copy_
+    stalls = []
 
     def slow_copy(self, *args, **kwargs):
+        stalls.append(1)
         time.sleep(0.005)  # the host stalls before every copy it enqueues
         return plain_copy(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.Tensor, "copy_", slow_copy)
     stalled = measure_link(NBYTES, repeats=3)
+    # Each timed copy stalled: three one way, three the other, three pairs both ways.
+    assert len(stalls) >= 3 + 3 + 2 * 3
     # Timed from the host's side, each copy would read 5 ms longer: 5 times slower.
     for name, q, s in zip(("d2h", "h2d", "both"), quiet, stalled, strict=True):
         assert s > 0.8 * q, (name, quiet, stalled)

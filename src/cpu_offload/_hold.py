@@ -18,8 +18,13 @@ __all__ = ["cycles_per_ms"]
 
 def cycles_per_ms() -> float:
     """How many cycles of ``torch.cuda._sleep`` the current device spins per millisecond
-    now: a spin of a million cycles timed with CUDA events (the rate follows the GPU's
-    clock, so it is measured where it is used)."""
+    now.
+
+    Returns:
+        The rate of a spin of a million cycles timed with CUDA events. It follows the
+        GPU's clock (an idle GPU clocks down), so it is measured where it is used, and a
+        spin sized by it is a lower bound only while the clock does not slow down.
+    """
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     cycles = 1_000_000
     torch.cuda._sleep(cycles)  # the first launch loads the kernel

@@ -409,6 +409,14 @@ def host_probe_ms(ops: int = 2000) -> float:
 
 
 def sleep_cycles(host_ms: Sequence[float], margin_ms: float = 0.5) -> list[int]:
-    """GPU cycles that hold the stream back longer than the host takes, per layer."""
+    """GPU cycles that hold the stream back longer than the host takes, per layer.
+
+    Args:
+        host_ms: Each layer's host time, ms.
+        margin_ms: Added to one and a half times each layer's host time.
+
+    Returns:
+        Cycles of ``torch.cuda._sleep`` per layer, at the device's rate now.
+    """
     per_ms = cycles_per_ms()
     return [int((1.5 * h + margin_ms) * per_ms) for h in host_ms]

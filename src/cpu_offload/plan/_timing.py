@@ -125,11 +125,12 @@ class HostAndDevice(Together):
     #: Rounds that take the host's configurations in turn (see :mod:`._rounds`): the
     #: plain step and the device's times come from the rounds of the fast phase (see
     #: :data:`FAST_PHASE`), the host's times from the rounds :data:`HOST_PACE` picks.
-    #: Nine: on an H100 host one round's host time of recomputing a layer's forward ran
-    #: from 0.37 to 1.07 ms (benchmarks/host_between_layers.py), and with five rounds the
-    #: same plan for a transformers Llama (10 of 12 layers recomputed) was modelled 10.5%
-    #: below its measured step in one run and 6.9% above in another; a median of nine
-    #: spreads about three quarters as far as one of five.
+    #: Nine: on an H100 host the host time a recomputed layer's checkpoint added to the
+    #: step's forward ran from 0.37 to 1.07 ms a layer from one round to the next
+    #: (Megatron-Core's GPT; benchmarks/host_between_layers.py), and with five rounds
+    #: plans for a transformers Llama were modelled 10.5% below their measured step in
+    #: one run and 6.9% above in another; a median of nine spreads about three quarters
+    #: as far as one of five.
     ROUNDS = 9
     #: A round is of the fast phase when its plain step is within this share of the
     #: fastest round's. Slow phases make a step longer, never shorter, and can last
