@@ -24,7 +24,7 @@ import torch
 from ._args import check_int
 from ._hold import cycles_per_ms
 
-__all__ = ["measure_link"]
+__all__ = ["fastest_clean", "measure_link"]
 
 #: How long the spin holds the stream while the host enqueues a timed copy (ms): far
 #: longer than a few launches take, and than the interpreter's switch between threads.
@@ -58,13 +58,9 @@ def measure_link(nbytes: int = 256 << 20, repeats: int = 5) -> tuple[float, floa
     host2 = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
     main = torch.cuda.current_stream()
-    hold = 0
 
-    def timed(fn: Callable[[], None]) -> float:
-        nonlocal hold
-        clean: list[float] = []
-        late: list[float] = []
-        while len(clean) < repeats and len(late) < 2 * repeats:
+    def timed_behind(fn: Callable[[], None]) -> Callable[[int], tuple[float, bool]]:
+        def run(hold: int) -> tuple[float, bool]:
             torch.cuda.synchronize()
             a = torch.cuda.Event(enable_timing=True)
             b = torch.cuda.Event(enable_timing=True)
@@ -79,14 +75,9 @@ def measure_link(nbytes: int = 256 << 20, repeats: int = 5) -> tuple[float, floa
             # Still spinning once all is enqueued: the events time the copies alone.
             reached = a.query()
             b.synchronize()
-            if reached:
-                # The spin ended first (the GPU's clock was slower when its rate was
-                # measured than now): the repeat may have timed the host. Spin longer.
-                late.append(a.elapsed_time(b))
-                hold *= 2
-            else:
-                clean.append(a.elapsed_time(b))
-        return min(clean or late)
+            return a.elapsed_time(b), reached
+
+        return run
 
     def d2h() -> None:
         with torch.cuda.stream(s1):
@@ -106,7 +97,42 @@ def measure_link(nbytes: int = 256 << 20, repeats: int = 5) -> tuple[float, floa
         fn()
     torch.cuda.synchronize()
     hold = int(HOLD_MS * cycles_per_ms())
-    d = nbytes / timed(d2h) / 1e6
-    h = nbytes / timed(h2d) / 1e6
-    b = 2 * nbytes / timed(both) / 1e6
-    return d, h, b
+    d_ms, hold = fastest_clean(timed_behind(d2h), repeats, hold)
+    h_ms, hold = fastest_clean(timed_behind(h2d), repeats, hold)
+    b_ms, hold = fastest_clean(timed_behind(both), repeats, hold)
+    return nbytes / d_ms / 1e6, nbytes / h_ms / 1e6, 2 * nbytes / b_ms / 1e6
+
+
+def fastest_clean(
+    run: Callable[[int], tuple[float, bool]], repeats: int, hold: int
+) -> tuple[float, int]:
+    """The fastest of ``repeats`` clean timings (NOTE [Timing the link]).
+
+    Args:
+        run: Times one repeat behind a spin of ``hold`` cycles: its ms, and whether the
+            stream had reached the start event before the host had enqueued everything
+            (late: the spin ended first, and the repeat may have timed the host).
+        repeats: Clean timings wanted (at least 1).
+        hold: The spin's cycles; doubled after each late repeat.
+
+    Returns:
+        ``(ms, hold)``: the fastest clean timing (or, after ``2 * repeats`` late ones,
+        the fastest late one), and the spin to use from here.
+
+    Example:
+        >>> def run(hold):  # late while the spin is shorter than 400 cycles
+        ...     return (5.0 if hold < 400 else 1.0 + hold / 1000), hold < 400
+        >>> fastest_clean(run, repeats=2, hold=100)
+        (1.4, 400)
+    """
+    clean: list[float] = []
+    late: list[float] = []
+    while len(clean) < repeats and len(late) < 2 * repeats:
+        ms, reached = run(hold)
+        if reached:
+            # The GPU's clock ran slower when the spin's rate was measured than now.
+            late.append(ms)
+            hold *= 2
+        else:
+            clean.append(ms)
+    return min(clean or late), hold
