@@ -335,6 +335,20 @@ def test_a_layers_host_time_runs_from_the_previous_layers_end() -> None:
     assert max(times.host_backward) < 30.0
 
 
+def test_a_host_clock_on_cuda_records_no_event() -> None:
+    # NOTE [The probe's own host time]: steps of which only the host's times are read
+    # synchronize as on the device's clock, but their timestamps are the host's.
+    from cpu_offload.plan._probe import Clock
+
+    host = Clock(True, events=False)
+    assert host.cuda and not host.events
+    start = host.now()
+    time.sleep(0.002)
+    end = host.now()
+    assert isinstance(start, float) and host.ms(start, end) >= 2.0
+    assert not Clock(False).events and not Clock(False, events=True).events
+
+
 class _OwnCall(nn.Linear):
     """A layer whose class defines ``__call__``, as Megatron-Core's and transformers' do:
     offload_layers wraps it around that ``__call__``, outside its module hooks."""

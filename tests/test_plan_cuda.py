@@ -104,6 +104,34 @@ def test_profile_measures_host_and_device_apart_on_cuda() -> None:
     assert profile_model(layers, step, steps=1, host=False).layers[0].host is None
 
 
+def test_the_rounds_time_the_host_without_events(monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE [The probe's own host time]: the rounds, of which only the host's times are
+    # read, record no CUDA event; the steps that time the device (the stream held back
+    # before each layer) do.
+    import cpu_offload.plan._timing as timing_module
+
+    real = timing_module.timed_step
+    seen: list[tuple[bool, bool, bool]] = []
+
+    def spy(layers, step, clock, *args, **kwargs):  # type: ignore[no-untyped-def]
+        probe, times = real(layers, step, clock, *args, **kwargs)
+        stamps = [t for f in probe.fwd for t in f] + [t for b in probe.bwd for t in b]
+        events = all(isinstance(t, torch.cuda.Event) for t in stamps)
+        host = all(isinstance(t, float) for t in stamps)
+        assert events or host
+        seen.append((kwargs.get("sleep") is not None, clock.events, events))
+        return probe, times
+
+    monkeypatch.setattr(timing_module, "timed_step", spy)
+    layers, x = _model()
+    profile_model(layers, lambda: run_layers(layers, x).float().square().mean(), steps=1)
+    rounds = [s for s in seen if not s[0]]
+    device = [s for s in seen if s[0]]
+    assert rounds and device
+    assert all(not clock_events and not events for _, clock_events, events in rounds)
+    assert all(clock_events and events for _, clock_events, events in device)
+
+
 def test_plan_uses_less_memory_than_keeping_everything() -> None:
     layers, x = _model()
 

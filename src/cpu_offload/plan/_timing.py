@@ -61,15 +61,18 @@ class Together:
         self.min_tensor_size_to_offload = min_tensor_size_to_offload
 
     def _under(self, runs: int, **kwargs: Any) -> list[StepTimes]:
-        """``runs`` probed steps under :func:`cpu_offload.offload_layers` (one warm-up)."""
+        """``runs`` probed steps under :func:`cpu_offload.offload_layers` (one warm-up),
+        of which only the host's times are read: timed on the host's clock alone (NOTE
+        [The probe's own host time] in ``_probe.py``)."""
         from ..layers import offload_layers
 
         parts = kwargs.get("parts") or {}
         if kwargs.get("offloaded") or any("offload" in p.values() for p in parts.values()):
             kwargs["min_tensor_size_to_offload"] = self.min_tensor_size_to_offload
+        clock = Clock(self.clock.cuda, events=False)
         with offload_layers(self.layers, **kwargs):
-            timed_step(self.layers, self.step, self.clock)
-            return [timed_step(self.layers, self.step, self.clock)[1] for _ in range(runs)]
+            timed_step(self.layers, self.step, clock)
+            return [timed_step(self.layers, self.step, clock)[1] for _ in range(runs)]
 
     def profile(self, base: Profile, costs: list[LayerCost], recompute: bool) -> Profile:
         n = len(self.layers)
