@@ -193,15 +193,29 @@ def test_each_layer_compiled(order: str) -> None:
     assert transport.bytes_offloaded > 0
 
 
-def test_recomputed_layer_under_compile() -> None:
+def test_recomputed_layer_under_compile(monkeypatch: pytest.MonkeyPatch) -> None:
     # The recomputation in backward runs the compiled code of the forward: offload_layers
-    # traces the checkpoint with the layer (cpu_offload._layer_call).
+    # traces PyTorch's checkpoint with the layer (cpu_offload._layer_call), not the
+    # package's eager recomputation (NOTE [A lean recomputation]), which runs uncompiled.
+    import cpu_offload._layer_call as layer_call
+
+    eager: list[object] = []
+    real = layer_call.run_recomputed
+
+    def counted(*args: object) -> object:
+        eager.append(args[0])
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(layer_call, "run_recomputed", counted)
     ref, model = _pair()
     expected = _steps(torch.compile(ref, backend=BACKEND), ref)
     transport = HostTransport()
     _offload(model, "v2", transport, num_offloaded=1, recomputed=[2])
     _assert_exact(expected, _steps(torch.compile(model, backend=BACKEND), model))
     assert transport.bytes_offloaded > 0
+    assert eager == []
+    _steps(model, model)  # the same layers, eager
+    assert len(eager) > 0
 
 
 @pytest.mark.parametrize("compiled", ["loop", "layers"])

@@ -378,6 +378,10 @@ def in_checkpoint_forward() -> bool:
     hooks = top(False)
     if hooks is None:
         return False
+    # The package's own recomputation (NOTE [A lean recomputation] in
+    # cpu_offload._recompute) says so on the hooks' owner.
+    if getattr(getattr(hooks[0], "__self__", None), "recomputes_in_backward", False):
+        return True
     frame_type = getattr(torch_checkpoint, "_CheckpointFrame", None)
     if frame_type is None:  # pragma: no cover - every supported release has it
         return False
@@ -398,9 +402,14 @@ _CHECKPOINT_CODE = inspect.unwrap(torch_checkpoint.checkpoint).__code__
 def _checkpoint_on_call_stack() -> bool:
     """:func:`in_checkpoint_forward` where the hook stack cannot be read (before 2.8):
     whether a non-reentrant ``checkpoint`` call is running further up this thread's
-    stack, its function being called."""
+    stack, its function being called, or the package's own recomputation's forward."""
+    from ._recompute import run_recomputed
+
+    ours = run_recomputed.__code__
     frame = inspect.currentframe()
     while frame is not None:
+        if frame.f_code is ours:
+            return True
         if frame.f_code is _CHECKPOINT_CODE and frame.f_locals.get("use_reentrant") is False:
             return True
         frame = frame.f_back

@@ -16,9 +16,11 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+from torch.compiler import is_compiling
 from torch.utils.checkpoint import checkpoint
 
 from ._compat import CHECKPOINT_EARLY_STOP_KWARG
+from ._recompute import run_recomputed
 
 __all__ = ["run_layer", "run_layer_recomputed"]
 
@@ -81,6 +83,10 @@ def run_layer_recomputed(
     # options (debug, context_fn, ...) for itself.
     call = functools.partial(forward, **kwargs) if kwargs else forward
     call, args = _one_object_per_argument(call, args)
+    if not is_compiling():
+        # NOTE [A lean recomputation] in cpu_offload._recompute; traced by torch.compile,
+        # PyTorch's own checkpoint below, which the compiler understands.
+        return run_recomputed(call, *args)
     if CHECKPOINT_EARLY_STOP_KWARG:
         return checkpoint(call, *args, use_reentrant=False, early_stop=False)
     # Before PyTorch 2.9 the caller turns early stop off around this call, outside the
