@@ -155,7 +155,8 @@ class _Switching(nn.Module):
 
 
 @pytest.mark.parametrize(
-    ("how", "match"), [("shape", r"saved tensor 0 .* was \(torch.Size\(\[3, 4\]\)"), ("count", "saved 2 tensors")]
+    ("how", "match"),
+    [("shape", r"saved tensor 0 .* was \(torch.Size\(\[3, 4\]\)"), ("count", "saved 2 tensors")],
 )
 def test_a_forward_that_saves_other_tensors_again_is_refused(how: str, match: str) -> None:
     x = torch.randn(3, 4, requires_grad=True)

@@ -7,7 +7,8 @@ calls one of them, whose frame Dynamo then compiles with the layer's forward inl
 graph per layer; ``torch.nn`` layers too, whose own frames Dynamo does not compile when
 they are called from outside a compiled frame). A recomputed layer's ``checkpoint`` is
 traced with it, so that its recomputation in backward runs the same compiled code as its
-forward. Without ``torch.compile`` they are one plain call each.
+forward. Without ``torch.compile`` they are one plain call each, and a recomputed layer
+goes through the package's own recomputation (:mod:`cpu_offload._recompute`).
 """
 
 from __future__ import annotations
@@ -63,7 +64,9 @@ def run_layer_recomputed(
     forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     """``forward(*args, **kwargs)`` under non-reentrant activation checkpointing, whose
-    recomputation runs ``forward`` to its end.
+    recomputation runs ``forward`` to its end: the package's own in eager mode
+    (:func:`cpu_offload._recompute.run_recomputed`), ``torch.utils.checkpoint`` under
+    ``torch.compile``.
 
     See NOTE [Recomputation runs the whole layer] in :mod:`cpu_offload.layers`: the
     default early stop ends the recomputation at the last saved tensor, so a layer that

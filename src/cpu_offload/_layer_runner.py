@@ -57,8 +57,10 @@ def sync_first(out: Any, sync: Callable[[torch.Tensor], torch.Tensor], index: in
 
 
 # NOTE [Recomputation runs the whole layer]
-# Recomputed layers go through torch.utils.checkpoint.checkpoint(use_reentrant=False)
-# with early stop off. With early stop on (PyTorch's default), the recomputation in
+# Recomputed layers are recomputed to the end of their forward: by the package's own
+# recomputation in eager mode (NOTE [A lean recomputation] in cpu_offload._recompute), and
+# under torch.compile by torch.utils.checkpoint.checkpoint(use_reentrant=False) with early
+# stop off. With early stop on (PyTorch's default), the recomputation in
 # backward ends as soon as the last saved tensor is saved again, and the rest of the
 # layer's forward never runs. A layer that keeps a tensor on itself in the middle of its
 # forward and clears it at the end (Megatron-Core's TransformerLayer keeps its MLP norm's

@@ -56,11 +56,12 @@ class _KeepInputs(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, dummy: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(*tensors)
+        ctx.inputs = 1 + len(tensors)
         return dummy.new_empty((0,))
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> tuple[None, ...]:  # pragma: no cover - unused
-        return (None,) * (1 + len(ctx.saved_tensors))
+        return (None,) * ctx.inputs
 
 
 class _Recomputation:
@@ -72,7 +73,17 @@ class _Recomputation:
     #: What :func:`cpu_offload._compat.in_checkpoint_forward` reads on the hooks' owner.
     recomputes_in_backward = True
 
-    __slots__ = ("fn", "args", "where", "keeper", "layouts", "rng", "autocast", "again", "__weakref__")
+    __slots__ = (
+        "fn",
+        "args",
+        "where",
+        "keeper",
+        "layouts",
+        "rng",
+        "autocast",
+        "again",
+        "__weakref__",
+    )
 
     def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
         self.fn = fn

@@ -383,9 +383,11 @@ def offload_layers(
     list or dataclass (a Hugging Face ``ModelOutput``) whose first element is the hidden
     state; any positional and keyword arguments reach the layer unchanged. Under
     ``torch.no_grad()`` the layers run as they are (nothing is offloaded, nothing is
-    counted). Recomputed layers run through
-    ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``. Results are bit-identical
-    to the model without offloading.
+    counted). Recomputed layers are recomputed in backward as
+    ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` does, by the package's own
+    recomputation in eager mode (NOTE [A lean recomputation] in
+    ``cpu_offload._recompute``) and by that checkpoint under ``torch.compile``. Results
+    are bit-identical to the model without offloading.
 
     The backend is the one ``NVTE_CPU_OFFLOAD_V1`` selects, as for
     :func:`cpu_offload.get_cpu_offload_context`. Under V1, which offloads only marked

@@ -72,9 +72,8 @@ def apply_plan(
     """Offload and recompute the layers of ``model_or_layers`` as ``plan`` says.
 
     Offloaded layers run under the offload context with the schedule the plan was
-    modelled with; recomputed layers run through
-    ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``, recomputed to the end of
-    their forward; layers planned part by part get their parts' choices
+    modelled with; recomputed layers are recomputed in backward to the end of their
+    forward, as :func:`cpu_offload.offload_layers` recomputes them; layers planned part by part get their parts' choices
     (``offload_layers(parts=...)``); kept layers run as they are. Results are bit-identical to the model
     without offloading.
 
