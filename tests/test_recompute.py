@@ -178,11 +178,51 @@ class _ReadsTwice(torch.autograd.Function):
         return grad * 2 + 0 * first * second
 
 
-def test_a_saved_tensor_unpacked_twice_is_refused() -> None:
+@pytest.mark.parametrize("others", [True, False])
+def test_a_saved_tensor_unpacked_twice_is_refused(others: bool) -> None:
+    # Also where it is the only tensor the call saved (nothing else left to read).
     x = torch.randn(3, requires_grad=True)
-    y = run_recomputed(lambda t: _ReadsTwice.apply(t.sin()), x)
+    y = run_recomputed(lambda t: _ReadsTwice.apply(t.sin() if others else t + 1), x)
     with pytest.raises(CheckpointError, match="unpacked twice"):
         y.sum().backward()
+
+
+def test_a_read_outside_backward_recomputes_for_itself() -> None:
+    # grad_fn._saved_* outside a backward pass: each read recomputes, nothing is kept.
+    runs: list[int] = []
+
+    def f(t: torch.Tensor) -> torch.Tensor:
+        runs.append(1)
+        return t.sin().exp()
+
+    x = torch.randn(4, requires_grad=True)
+    y = run_recomputed(f, x)
+    first, second = y.grad_fn._saved_result, y.grad_fn._saved_result  # type: ignore[union-attr]
+    assert torch.equal(first, second) and torch.equal(first, x.sin().exp())
+    assert len(runs) == 3
+    y.sum().backward()
+    assert x.grad is not None and torch.equal(x.grad, (x.cos() * x.sin().exp()).detach())
+
+
+def test_a_backward_inside_the_forward_is_refused() -> None:
+    def f(t: torch.Tensor) -> torch.Tensor:
+        (g,) = torch.autograd.grad(t.sin().cos().sum(), t, retain_graph=True)
+        return t.cos() * g
+
+    x = torch.randn(4, requires_grad=True)
+    with pytest.raises(CheckpointError, match="during that layer's own forward"):
+        run_recomputed(f, x)
+
+
+def test_the_forwards_device_context_is_the_recomputations() -> None:
+    def f(t: torch.Tensor) -> torch.Tensor:
+        return (t * torch.ones(4)).sin()  # the factory follows torch.device
+
+    with torch.device("meta"):
+        x = torch.randn(4, requires_grad=True)
+        y = run_recomputed(f, x)
+    y.sum().backward()  # outside the context
+    assert x.grad is not None and x.grad.device.type == "meta"
 
 
 def test_nothing_stays_alive_after_backward(monkeypatch: pytest.MonkeyPatch) -> None:

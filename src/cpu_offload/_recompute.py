@@ -24,12 +24,20 @@ default determinism check), at a fraction of its host time: NOTE [A lean recompu
 # * The forward's placeholder is the index of the tensor among those the call saved, and
 #   its (shape, dtype, device), against which the recomputation's tensors are checked:
 #   a different count or layout raises ``CheckpointError``, as PyTorch's default check.
-# * The CPU's RNG state, and that of each CUDA device an input lies on, are taken before
-#   the forward and set for the recomputation (the caller's states are restored after
-#   it), so that dropout draws the same masks; autocast runs as it did in the forward.
+# * Before the forward, the CPU's RNG state is taken, and that of each CUDA device a
+#   tensor among the arguments lies on (in containers too), as PyTorch's checkpoint takes
+#   them; they are set for the recomputation and the caller's restored after it, so that
+#   dropout draws the same masks. Autocast and the ``torch.device`` context in force run
+#   as they did in the forward.
 # * The recomputation's tensors are kept per backward pass (graph task), detached where
 #   they require grad so that the recomputed graph is freed, and each is dropped when
-#   backward takes it: a second backward over a retained graph recomputes again.
+#   backward takes it: a second backward over a retained graph recomputes again. The
+#   engine's threads (one per device) ask under a lock: one recomputation per pass. A
+#   tensor backward does not read stays until the graph is freed, as with PyTorch's
+#   checkpoint; a read outside a backward pass recomputes for itself and keeps nothing.
+# * A backward through the layer's saved tensors inside its own forward (autograd.grad in
+#   the forward) is refused with a CheckpointError: there is nothing to recompute from
+#   yet. PyTorch's checkpoint supports it by recomputing the partial forward.
 #
 # Only eager calls take this path: under torch.compile, run_layer_recomputed traces
 # PyTorch's checkpoint, which the compiler understands. The hooks' owner says what it is
@@ -39,10 +47,13 @@ default determinism check), at a fraction of its host time: NOTE [A lean recompu
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointError
 
 __all__ = ["run_recomputed"]
@@ -81,7 +92,10 @@ class _Recomputation:
         "layouts",
         "rng",
         "autocast",
+        "device_mode",
         "again",
+        "lock",
+        "done",
         "__weakref__",
     )
 
@@ -93,27 +107,41 @@ class _Recomputation:
         tensors = [args[i] for i in self.where]
         self.keeper = _KeepInputs.apply(torch.empty((0,), requires_grad=True), *tensors)
         self.layouts: list[_Layout] = []
-        self.rng = _RngStates.of(tensors)
+        self.rng = _RngStates.of(args)
         self.autocast = _autocast_state()
+        self.device_mode = _device_mode()
         self.again: dict[int, dict[int, torch.Tensor]] = {}
+        # The autograd engine reads saved tensors on one thread per device: one
+        # recomputation per backward pass, whichever thread asks first.
+        self.lock = threading.Lock()
+        self.done = False  # the forward has returned
 
     def pack(self, tensor: torch.Tensor) -> int:
         self.layouts.append((tensor.shape, tensor.dtype, tensor.device))
         return len(self.layouts) - 1
 
     def unpack(self, index: int) -> torch.Tensor:
+        if not self.done:
+            raise CheckpointError(
+                "cpu_offload: a backward ran through a recomputed layer's saved tensors "
+                "during that layer's own forward (torch.autograd.grad inside the forward); "
+                "keep that layer, or checkpoint it with torch.utils.checkpoint yourself"
+            )
         task = torch._C._current_graph_task_id()
-        tensors = self.again.get(task)
-        if tensors is None:
-            tensors = self.again[task] = self._recompute()
-        tensor = tensors.pop(index, None)
+        if task == -1:
+            # Read outside a backward pass (grad_fn._saved_*): a recomputation of its
+            # own, kept by no one.
+            return self._recompute()[index]
+        with self.lock:
+            tensors = self.again.get(task)
+            if tensors is None:
+                tensors = self.again[task] = self._recompute()
+            tensor = tensors.pop(index, None)
         if tensor is None:
             raise CheckpointError(
                 "cpu_offload: a saved tensor of a recomputed layer was unpacked twice in "
                 "one backward pass; read ctx.saved_tensors once per backward"
             )
-        if not tensors:
-            del self.again[task]
         return tensor
 
     def _recompute(self) -> dict[int, torch.Tensor]:
@@ -127,11 +155,24 @@ class _Recomputation:
             # Detached: the recomputed graph is not needed, and goes with the call.
             got.append(tensor.detach() if tensor.requires_grad else tensor)
 
-        with self.rng.restored(), _autocast_as(self.autocast), torch.enable_grad():
+        device = self.device_mode if self.device_mode is not None else contextlib.nullcontext()
+        with self.rng.restored(), _autocast_as(self.autocast), device, torch.enable_grad():
             with torch.autograd.graph.saved_tensors_hooks(pack, _never_unpacked):
                 self.fn(*args)
         _check_layouts(self.layouts, got)
         return dict(enumerate(got))
+
+
+def _device_mode() -> Any:
+    """The innermost ``torch.device`` context in force (None if none): factory functions
+    in the recomputation follow it as they did in the forward."""
+    if not torch._C._len_torch_function_stack():
+        return None
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._device import DeviceContext
+
+    modes = reversed(_get_current_function_mode_stack())
+    return next((m for m in modes if isinstance(m, DeviceContext)), None)
 
 
 def _never_unpacked(_: object) -> torch.Tensor:  # pragma: no cover - the graph is dropped
@@ -166,9 +207,13 @@ class _RngStates:
         self.states = [torch.cuda.get_rng_state(d) for d in devices]
 
     @classmethod
-    def of(cls, tensors: Sequence[torch.Tensor]) -> _RngStates:
-        """The states of the CPU and of the CUDA devices ``tensors`` lie on."""
-        return cls(sorted({t.get_device() for t in tensors if t.is_cuda}))
+    def of(cls, args: Sequence[Any]) -> _RngStates:
+        """The states of the CPU and of the CUDA devices of the tensors in ``args``, in
+        containers too."""
+        leaves = tree_leaves(list(args))
+        return cls(
+            sorted({t.get_device() for t in leaves if isinstance(t, torch.Tensor) and t.is_cuda})
+        )
 
     def set(self) -> None:
         torch.set_rng_state(self.cpu)
@@ -196,20 +241,22 @@ class _RngRestored:
         self.caller.set()
 
 
-_AutocastState = tuple[tuple[bool, torch.dtype], tuple[bool, torch.dtype], bool]
+_Autocast = tuple[bool, torch.dtype, bool]
+_AutocastState = tuple[_Autocast, _Autocast]
+_AUTOCAST_DEVICES = ("cuda", "cpu")
 
 
 def _autocast_state() -> _AutocastState:
-    """Whether autocast is on, and at which dtype, for CUDA and the CPU; its cache."""
-    return (
-        (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")),
-        (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")),
-        torch.is_autocast_cache_enabled(),
+    """Whether autocast is on, at which dtype, and its cache, for CUDA and the CPU."""
+    cache = torch.is_autocast_cache_enabled()
+    return tuple(  # type: ignore[return-value]
+        (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d), cache)
+        for d in _AUTOCAST_DEVICES
     )
 
 
 class _autocast_as:  # noqa: N801 - used as a context manager
-    """Autocast as ``state`` says, entered only where it differs from the current one."""
+    """Autocast as ``state`` says, entered for each device where it differs from now."""
 
     __slots__ = ("state", "entered")
 
@@ -218,13 +265,13 @@ class _autocast_as:  # noqa: N801 - used as a context manager
         self.entered: list[torch.autocast] = []
 
     def __enter__(self) -> None:
-        if _autocast_state() == self.state:
-            return
-        (cuda_on, cuda_dtype), (cpu_on, cpu_dtype), cache = self.state
-        for device, on, dtype in (("cuda", cuda_on, cuda_dtype), ("cpu", cpu_on, cpu_dtype)):
-            ctx = torch.autocast(device, dtype=dtype, enabled=on, cache_enabled=cache)
-            ctx.__enter__()
-            self.entered.append(ctx)
+        now = _autocast_state()
+        for device, want, have in zip(_AUTOCAST_DEVICES, self.state, now, strict=True):
+            if want != have:
+                on, dtype, cache = want
+                ctx = torch.autocast(device, dtype=dtype, enabled=on, cache_enabled=cache)
+                ctx.__enter__()
+                self.entered.append(ctx)
 
     def __exit__(self, *exc: object) -> None:
         for ctx in reversed(self.entered):
@@ -257,4 +304,6 @@ def run_recomputed(fn: Callable[..., Any], *args: Any) -> Any:
         return fn(*args)
     call = _Recomputation(fn, args)
     with torch.autograd.graph.saved_tensors_hooks(call.pack, call.unpack):
-        return fn(*args)
+        out = fn(*args)
+    call.done = True
+    return out
