@@ -291,7 +291,8 @@ def run_recomputed(fn: Callable[..., Any], *args: Any) -> Any:
 
     Raises:
         torch.utils.checkpoint.CheckpointError: In backward, if the recomputation saved
-            other tensors than the forward, or a saved tensor was unpacked twice.
+            other tensors than the forward, or a saved tensor was unpacked twice; in the
+            forward, if ``fn`` runs a backward through the tensors it saved.
 
     Example:
         >>> x = torch.ones(3, requires_grad=True)
