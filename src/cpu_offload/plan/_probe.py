@@ -63,12 +63,13 @@ __all__ = [
 # layer. Recording a CUDA event is most of it: on an H100 host, layers that do nothing but
 # return a view took 9.6 us each on the host without a probe, 57.5 us more with the
 # probe's two events a layer, and 15.6 us more with the probe on the host's clock alone
-# (5.3, 30.7 and 9.4 in a later run on a faster host; benchmarks/probe_cost.py). Where a layer's host time is close to its device time
-# (compare's model: 0.6 against 0.73 ms), 50 us a layer reads as host time the step does
-# not have. The profile's rounds, of which only the host's times are read, therefore run
-# on the host's clock (``Clock(cuda, events=False)``): they synchronize before and after
-# the step as the device's clock does, and record no event. The device's own times come
-# from steps of their own (NOTE [Device time under a host-bound step]).
+# (5.3, 30.7 and 9.4 in a later run on a faster host; benchmarks/probe_cost.py). Where a
+# layer's host time is close to its device time (compare's model: 0.6 against 0.73 ms),
+# 50 us a layer reads as host time the step does not have. The profile's rounds, of which
+# only the host's times are read, therefore run on the host's clock (``Clock(cuda,
+# events=False)``): they synchronize before and after the step as the device's clock
+# does, and record no event. The device's own times come from steps of their own (NOTE
+# [Device time under a host-bound step]).
 
 
 # NOTE [A layer's host time runs from the previous layer's end]
