@@ -244,6 +244,35 @@ def test_nothing_stays_alive_after_backward(monkeypatch: pytest.MonkeyPatch) -> 
     assert calls[0]() is None
 
 
+@pytest.mark.parametrize("how", ["no backward", "exception in the forward"])
+def test_nothing_stays_alive_without_a_backward(how: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[weakref.ref] = []
+    real = _recompute._Recomputation.__init__
+
+    def recorded(self: Any, *args: Any) -> None:
+        real(self, *args)
+        calls.append(weakref.ref(self))
+
+    monkeypatch.setattr(_recompute._Recomputation, "__init__", recorded)
+    layer = _encoder(0.0)
+    x = torch.randn(2, 4, 32, requires_grad=True)
+    if how == "no backward":
+        y = run_recomputed(layer, x)
+        del y
+    else:
+
+        def fails(t: torch.Tensor) -> torch.Tensor:
+            layer(t)
+            raise RuntimeError("out of memory, say")
+
+        with pytest.raises(RuntimeError, match="out of memory"):
+            run_recomputed(fails, x)
+    gc.collect()
+    assert len(calls) == 1 and calls[0]() is None
+    # The next step is exact.
+    _assert_equal(_grads(layer, x, _lean), _grads(layer, x, _plain))
+
+
 def test_no_grad_runs_the_call_as_it_is() -> None:
     lin = nn.Linear(4, 4)
     with torch.no_grad():
