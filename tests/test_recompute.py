@@ -225,15 +225,21 @@ def test_the_forwards_device_context_is_the_recomputations() -> None:
     assert x.grad is not None and x.grad.device.type == "meta"
 
 
-def test_nothing_stays_alive_after_backward(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[weakref.ref] = []
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> list[weakref.ref]:
+    """Weak references to every recomputed call made while the test runs."""
+    made: list[weakref.ref] = []
     real = _recompute._Recomputation.__init__
 
     def recorded(self: Any, *args: Any) -> None:
         real(self, *args)
-        calls.append(weakref.ref(self))
+        made.append(weakref.ref(self))
 
     monkeypatch.setattr(_recompute._Recomputation, "__init__", recorded)
+    return made
+
+
+def test_nothing_stays_alive_after_backward(calls: list[weakref.ref]) -> None:
     layer = _encoder(0.0)
     x = torch.randn(2, 4, 32, requires_grad=True)
     y = run_recomputed(layer, x)
@@ -245,15 +251,7 @@ def test_nothing_stays_alive_after_backward(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 @pytest.mark.parametrize("how", ["no backward", "exception in the forward"])
-def test_nothing_stays_alive_without_a_backward(how: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[weakref.ref] = []
-    real = _recompute._Recomputation.__init__
-
-    def recorded(self: Any, *args: Any) -> None:
-        real(self, *args)
-        calls.append(weakref.ref(self))
-
-    monkeypatch.setattr(_recompute._Recomputation, "__init__", recorded)
+def test_nothing_stays_alive_without_a_backward(how: str, calls: list[weakref.ref]) -> None:
     layer = _encoder(0.0)
     x = torch.randn(2, 4, 32, requires_grad=True)
     if how == "no backward":
