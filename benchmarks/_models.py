@@ -35,29 +35,37 @@ def llama(hidden: int, layers: int, seq: int, seed: int = 0) -> nn.Module:
     return LlamaForCausalLM(config).to("cuda", torch.bfloat16).train()
 
 
+def init_megatron() -> None:
+    """Start a one-rank NCCL process group (on a free port) and Megatron's model-parallel
+    state, unless a process group is up already."""
+    from megatron.core import parallel_state
+
+    if torch.distributed.is_initialized():
+        return
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.distributed.init_process_group("nccl", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+
+
 def megatron_gpt(
     layers: int, hidden: int, heads: int, seq: int, batch: int, vocab: int = MEGATRON_VOCAB
 ) -> tuple[nn.Module, Callable[[torch.Tensor], torch.Tensor]]:
     """Megatron-Core's GPT and ``loss(tokens)``: the mean of its per-token losses.
 
-    Starts a one-rank NCCL process group (on a free port) and Megatron's model-parallel
-    state the first time.
+    Starts a one-rank process group and Megatron's model-parallel state the first time
+    (:func:`init_megatron`).
     """
-    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    if not torch.distributed.is_initialized():
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ["MASTER_PORT"] = str(port)
-        torch.distributed.init_process_group("nccl", rank=0, world_size=1)
-        parallel_state.initialize_model_parallel(1, 1)
+    init_megatron()
     torch.manual_seed(1)
     model_parallel_cuda_manual_seed(1)
     config = TransformerConfig(

@@ -16,8 +16,12 @@ step: this benchmark measures that price, on the GPU or on the CPU stand-in.
   NOTE [Kept tensors are detached]), entered around each layer. For each: the host time
   to enqueue one step (no synchronization; on the CPU this is the whole step, timed as
   the thread's CPU time so that other work on the machine disturbs it less), the step
-  time, the peak memory on CUDA, and the tensors saved per step. Variants run in turns and the best turn
-  is kept, so that a busy machine disturbs every variant alike.
+  time, the peak memory on CUDA, and the tensors saved per step. Variants run in turns,
+  each turn in a rotated order (so that no variant always follows the same one). Two
+  readings of each: the best turn (``host x``, ``step x``: best against best), and the
+  median over turns of the ratio to no offloading *in the same turn* (``paired``, with
+  its interquartile range), which a host whose pace drifts between turns disturbs far
+  less than a ratio of bests.
 * **profile**: where the host time of the V2 step goes, as a cProfile table of the
   functions of ``cpu_offload`` (and on CUDA a torch.profiler table).
 
@@ -218,8 +222,9 @@ def run_model(spec: ModelSpec, device: str, k: int, duplex: bool, turns: int, st
     for v in variants:
         v.saved = counter.count
     clock = _clock(device)
-    for _ in range(turns):
-        for v in variants:
+    for turn in range(turns):
+        shift = turn % len(variants)
+        for v in variants[shift:] + variants[:shift]:
             host, gpu = [], []
             for _ in range(steps):
                 _sync(device)
@@ -244,6 +249,7 @@ def run_model(spec: ModelSpec, device: str, k: int, duplex: bool, turns: int, st
     for v in variants:
         host, step = min(v.host_ms), min(v.step_ms)
         extra = host - min(none.host_ms)
+        paired = paired_ratios(v.step_ms, none.step_ms)
         rows.append(
             {
                 "variant": v.name,
@@ -251,6 +257,9 @@ def run_model(spec: ModelSpec, device: str, k: int, duplex: bool, turns: int, st
                 "step_ms": step,
                 "host_ratio": host / min(none.host_ms),
                 "step_ratio": step / min(none.step_ms),
+                "step_ratio_paired": statistics.median(paired),
+                "step_ratio_paired_iqr": _quartiles(paired),
+                "host_ratio_paired": statistics.median(paired_ratios(v.host_ms, none.host_ms)),
                 "extra_host_per_layer_us": extra / spec.layers * 1e3,
                 "extra_host_per_saved_tensor_us": extra / max(v.saved, 1) * 1e3,
                 "saved_tensors": v.saved,
@@ -259,6 +268,25 @@ def run_model(spec: ModelSpec, device: str, k: int, duplex: bool, turns: int, st
         )
     offloading = next(v for v in variants if v.name == f"v2 k={k}")
     return {"spec": repr(spec), "rows": rows, "profile": _profile(offloading, one_step, device)}
+
+
+def paired_ratios(times: list[float], base: list[float]) -> list[float]:
+    """Per turn, ``times`` over ``base`` measured in the same turn.
+
+    Example:
+        >>> paired_ratios([11.0, 22.0], [10.0, 20.0])
+        [1.1, 1.1]
+    """
+    if len(times) != len(base):
+        raise ValueError(f"one reading per turn each: {len(times)} against {len(base)}")
+    return [t / b for t, b in zip(times, base, strict=True)]
+
+
+def _quartiles(values: list[float]) -> tuple[float, float]:
+    if len(values) < 2:
+        return (values[0], values[0])
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return (q[0], q[2])
 
 
 def _profile(v: Variant, one_step: Callable[[Variant], None], device: str) -> str:
@@ -316,6 +344,14 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['host_ratio']:7.3f} {r['step_ratio']:7.3f} "
             f"{r['extra_host_per_layer_us']:10.1f} {r['extra_host_per_saved_tensor_us']:10.2f} "
             f"{r['saved_tensors']:6d} {r['peak_mib']:9.0f}"
+        )
+    print(f"paired over {args.turns} turns (median of the per-turn ratio to none, and its "
+          "interquartile range):")  # fmt: skip
+    for r in model["rows"][1:]:
+        lo, hi = r["step_ratio_paired_iqr"]
+        print(
+            f"  {r['variant']:24s} step x {r['step_ratio_paired']:.4f} [{lo:.4f}, {hi:.4f}]"
+            f"  host x {r['host_ratio_paired']:.3f}"
         )
     if not args.no_profile:
         print(model["profile"])

@@ -1,0 +1,309 @@
+"""Workload D: this package beside Transformer Engine's offload code, in one process.
+
+Megatron-Core's GPT (local layer spec, 16 layers, h 2048, seq 2048, batch 2, bf16)
+offloads its first k layers through its own hooks (``TransformerConfig.cpu_offloading``),
+which call ``get_cpu_offload_context`` in Transformer Engine's place
+(:func:`cpu_offload.megatron.use_with_megatron_core`). For each k, three models of the
+same weights take turns in one process: no offloading, this package's context, and
+Transformer Engine's own ``get_cpu_offload_context``. Its code is imported from the folder
+that ``te_reference.sh`` builds out of a Transformer Engine checkout (``--te DIR``) and
+never enters this repository; without ``--te`` only ours runs beside no offloading.
+
+Each round runs every model for ``--steps`` timed steps, in an order that rotates from
+round to round. Reported per model: the median step over all rounds, the peak of the
+step above what was allocated before it (``torch.cuda.max_memory_allocated``, as the
+workload's earlier tables), whether the first step's loss and every gradient equal no
+offloading bit for bit (deterministic kernels), and the median over rounds of the ratios
+measured *in the same round* (ours / TE, each / no offloading) with their range. The
+ratio of medians taken in one round leaves out the drift of the link and the host between
+processes and between rounds: on a lent H100 the pinned host-to-device copy read 44.5 to
+55.0 GB/s in six processes of one call.
+
+    python benchmarks/workload_d.py --te .te/ref --ks 2,4,8 --json d.json --markdown d.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import importlib
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from _models import MEGATRON_VOCAB, init_megatron
+from _report import bit_identical, exact, timed_as_users_train, write_reports
+
+import cpu_offload
+from cpu_offload.megatron import use_with_megatron_core
+
+DIMS = dict(layers=16, hidden=2048, heads=16, seq=2048, batch=2)
+TE_FILE = Path("_te_ref") / "pytorch" / "cpu_offload.py"
+
+
+def load_te(folder: Path) -> Callable[..., Any]:
+    """Transformer Engine's ``get_cpu_offload_context``, from ``te_reference.sh``'s folder.
+
+    The folder goes to the end of ``sys.path``, so that ``cpu_offload`` stays this package
+    (the folder's own ``cpu_offload`` stand-in is never imported).
+
+    Raises:
+        FileNotFoundError: If ``folder`` holds no ``_te_ref/pytorch/cpu_offload.py``.
+    """
+    if not (folder / TE_FILE).is_file():
+        raise FileNotFoundError(
+            f"--te: no {TE_FILE} under {folder}; build it with te_reference.sh TE_GIT_DIR {folder}"
+        )
+    sys.path.append(str(folder.resolve()))
+    module = importlib.import_module("_te_ref.pytorch.cpu_offload")
+    te_get = module.get_cpu_offload_context
+
+    def context(
+        enabled: bool,
+        num_layers: int,
+        model_layers: int,
+        activations: bool,
+        weights: bool,
+        double_buffering: bool,
+        retain_pinned_cpu_buffers: bool = False,
+    ) -> Any:
+        # Megatron-Core passes retain_pinned_cpu_buffers seventh; TE has it eighth.
+        return te_get(
+            enabled,
+            num_layers,
+            model_layers,
+            activations,
+            weights,
+            double_buffering,
+            retain_pinned_cpu_buffers=retain_pinned_cpu_buffers,
+        )
+
+    return context
+
+
+class Model:
+    """One Megatron-Core GPT of the workload, with or without an offload context."""
+
+    def __init__(self, label: str, k: int, context: Callable[..., Any] | None) -> None:
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+        from megatron.core.transformer import transformer_block
+        from megatron.core.transformer.module import Float16Module
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        self.label = label
+        transformer_block.get_cpu_offload_context = context  # read once, when the block is built
+        torch.manual_seed(1)
+        model_parallel_cuda_manual_seed(1)  # the same weights for every model
+        config = TransformerConfig(
+            num_layers=DIMS["layers"],
+            hidden_size=DIMS["hidden"],
+            num_attention_heads=DIMS["heads"],
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            bf16=True,
+            params_dtype=torch.bfloat16,
+            cpu_offloading=k > 0,
+            cpu_offloading_num_layers=k,
+        )
+        gpt = GPTModel(
+            config,
+            get_gpt_layer_local_spec(),
+            vocab_size=MEGATRON_VOCAB,
+            max_sequence_length=DIMS["seq"],
+        )
+        self.module = Float16Module(config, gpt.cuda())
+        self.times: list[float] = []  # ms, every timed step
+        self.rounds: list[float] = []  # ms, the median of each round
+        self.peak = 0  # bytes above the allocation before a step, the highest seen
+
+    def step(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        tokens, pos, mask, labels = batch
+        self.module.zero_grad(set_to_none=True)
+        loss = self.module(tokens, pos, mask, labels=labels).float().mean()
+        loss.backward()
+        return loss.detach()
+
+    def first_step(
+        self, batch: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        with exact():
+            loss = self.step(batch)
+        grads = [p.grad.clone() for p in self.module.parameters() if p.grad is not None]
+        return loss, grads
+
+    def timed(self, batch: tuple[torch.Tensor, ...], steps: int) -> None:
+        ms = []
+        for _ in range(steps):
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            t = time.perf_counter()
+            self.step(batch)
+            torch.cuda.synchronize()
+            ms.append((time.perf_counter() - t) * 1e3)
+            self.peak = max(self.peak, torch.cuda.max_memory_allocated() - before)
+        self.times += ms
+        self.rounds.append(statistics.median(ms))
+
+
+def link_gbps(nbytes: int = 512 << 20) -> tuple[float, float]:
+    """Pinned copy bandwidth, device to host and host to device (GB/s)."""
+    out = []
+    for d2h in (True, False):
+        src = torch.empty(
+            nbytes, dtype=torch.uint8, device="cuda" if d2h else "cpu", pin_memory=not d2h
+        )
+        dst = torch.empty(
+            nbytes, dtype=torch.uint8, device="cpu" if d2h else "cuda", pin_memory=d2h
+        )
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(5):
+            dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        out.append(5 * nbytes / (time.perf_counter() - t) / 1e9)
+    return out[0], out[1]
+
+
+def paired(num: Model, den: Model) -> dict[str, float]:
+    """The median and range over rounds of ``num``'s round median over ``den``'s."""
+    ratios = [a / b for a, b in zip(num.rounds, den.rounds, strict=True)]
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+
+
+def run_k(
+    k: int,
+    none: Model,
+    ours_fn: Callable[..., Any],
+    te_fn: Callable[..., Any] | None,
+    batch: tuple[torch.Tensor, ...],
+    want: tuple[torch.Tensor, list[torch.Tensor]],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    models = [none, Model("ours", k, ours_fn)]
+    if te_fn is not None:
+        models.append(Model("te", k, te_fn))
+    exact_ok = {m.label: bit_identical(m.first_step(batch), want) for m in models[1:]}
+    none.times, none.rounds, none.peak = [], [], 0
+    with timed_as_users_train():
+        for m in models:
+            for _ in range(args.warmup):
+                m.step(batch)
+        for r in range(args.rounds):
+            for m in models[r % len(models) :] + models[: r % len(models)]:
+                m.timed(batch, args.steps)
+    out: dict[str, Any] = {"k": k, "exact": exact_ok}
+    for m in models:
+        out[m.label] = {
+            "median_ms": statistics.median(m.times),
+            "round_medians_ms": m.rounds,
+            "peak_gib": m.peak / 2**30,
+        }
+        if m is not none:
+            out[m.label]["x_none"] = paired(m, none)
+    if te_fn is not None:
+        out["ours_over_te"] = paired(models[1], models[2])
+    for m in models[1:]:
+        m.module = None  # type: ignore[assignment]
+    del models
+    gc.collect()
+    torch.cuda.empty_cache()
+    empty_host = getattr(torch._C, "_host_emptyCache", None)
+    if empty_host is not None:
+        empty_host()  # each k's pinned host buffers differ in size: give them back
+    return out
+
+
+def markdown(
+    results: list[dict[str, Any]], device: str, gbps: tuple[float, float], te: bool
+) -> str:
+    lines = [
+        f"Measured {datetime.date.today().isoformat()} on {device}, torch {torch.__version__}; "
+        f"pinned copy {gbps[0]:.1f} GB/s device to host, {gbps[1]:.1f} host to device.",
+        "",
+        "| k | no offloading ms | ours ms (x none) | "
+        + ("TE ms (x none) | ours / TE (range) | " if te else "")
+        + "ours peak GiB | "
+        + ("TE peak GiB | " if te else "")
+        + "bit-identical |",
+        "|---:|---:|---:|"
+        + ("---:|---:|" if te else "")
+        + "---:|"
+        + ("---:|" if te else "")
+        + "---|",
+    ]
+    for r in results:
+        row = [str(r["k"]), f"{r['none']['median_ms']:.1f}"]
+        row.append(f"{r['ours']['median_ms']:.1f} ({r['ours']['x_none']['median']:.3f})")
+        if te:
+            row.append(f"{r['te']['median_ms']:.1f} ({r['te']['x_none']['median']:.3f})")
+            ot = r["ours_over_te"]
+            row.append(f"{ot['median']:.3f} ({ot['min']:.3f} to {ot['max']:.3f})")
+        row.append(f"{r['ours']['peak_gib']:.2f}")
+        if te:
+            row.append(f"{r['te']['peak_gib']:.2f}")
+        row.append(", ".join(f"{name} {'yes' if ok else 'NO'}" for name, ok in r["exact"].items()))
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--te", type=Path, help="te_reference.sh's output folder (Transformer Engine's code)"
+    )
+    p.add_argument("--ks", default="2,4,8", help="layers offloaded, comma-separated")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=3, help="timed steps per model and round")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--json")
+    p.add_argument("--markdown")
+    args = p.parse_args()
+    ks = [int(x) for x in args.ks.split(",")]
+    for k in ks:
+        if not 0 < k < DIMS["layers"]:
+            p.error(f"--ks: each k must be in [1, {DIMS['layers'] - 1}], got {k}")
+    te_fn = load_te(args.te) if args.te is not None else None
+    init_megatron()
+    handle = use_with_megatron_core()  # the linear layers read HAVE_TE when they run
+    ours_fn = handle.function
+    seq, batch_size = DIMS["seq"], DIMS["batch"]
+    tokens = torch.randint(0, MEGATRON_VOCAB, (batch_size, seq), device="cuda")
+    pos = torch.arange(seq, device="cuda").unsqueeze(0).expand(batch_size, -1)
+    mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool, device="cuda"), diagonal=1)
+    batch = (tokens, pos, mask, torch.roll(tokens, -1, 1))
+    gbps = link_gbps()
+    device = torch.cuda.get_device_name()
+    print(f"torch {torch.__version__}, {device}, cpu_offload {cpu_offload.__file__}; "
+          f"pinned {gbps[0]:.1f} / {gbps[1]:.1f} GB/s", flush=True)  # fmt: skip
+    none = Model("none", 0, None)
+    want = none.first_step(batch)
+    results = []
+    for k in ks:
+        results.append(run_k(k, none, ours_fn, te_fn, batch, want, args))
+        r = results[-1]
+        text = f"k={k}: none {r['none']['median_ms']:.1f} ms, ours {r['ours']['median_ms']:.1f} ms"
+        if te_fn is not None:
+            ot = r["ours_over_te"]
+            text += (f", TE {r['te']['median_ms']:.1f} ms; ours / TE {ot['median']:.3f} "
+                     f"({ot['min']:.3f} to {ot['max']:.3f}); peaks {r['ours']['peak_gib']:.2f} / "
+                     f"{r['te']['peak_gib']:.2f} GiB")  # fmt: skip
+        print(text, r["exact"], flush=True)
+    handle.remove()
+    text = markdown(results, device, gbps, te_fn is not None)
+    print(text)
+    write_reports(args.json, args.markdown, device, results, text, dims=DIMS, gbps=gbps,
+                  rounds=args.rounds, steps=args.steps)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
