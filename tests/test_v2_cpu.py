@@ -19,7 +19,9 @@ from cpu_offload import (
     mark_activation_offload,
     v2,
 )
+from cpu_offload.engine.selection import is_marked_for_offload
 from cpu_offload.models import MODEL_KINDS, ModelSpec, build_layers
+from cpu_offload.v2.synchronizer import TensorId
 
 N = 4
 MIN = 256
@@ -590,3 +592,38 @@ def test_a_tensor_given_a_grad_fn_after_its_save_is_not_kept_alive():
     ctx.offload_synchronizer.release_all()
     gc.collect()
     assert alive() is None
+
+
+def test_small_tensors_stay_at_the_door(monkeypatch, caplog):
+    # NOTE [Small tensors stay at the door]: below the threshold, the pack hook keeps a
+    # tensor without the layer; at it, the layer takes the tensor as before.
+    ctx, _ = _ctx(k=1, n=2)
+    sync = ctx.offload_synchronizer
+    sync.fwd_step()  # layer 0, offloaded
+    layer = sync.layers[0]
+    calls: list[int] = []
+    push = layer.push_tensor
+    monkeypatch.setattr(layer, "push_tensor", lambda t, **kw: calls.append(t.numel()) or push(t))
+    w = torch.ones(MIN, requires_grad=True)
+    small, big = w[: MIN - 1] * 2, w * 2
+    out = sync.pack_hook(small)
+    assert isinstance(out, torch.Tensor) and out is not small and out.grad_fn is None
+    assert out.data_ptr() == small.data_ptr() and calls == [] and not layer.has_tensors
+    assert isinstance(sync.pack_hook(big), TensorId) and calls == [MIN] and layer.has_tensors
+    # With DEBUG records wanted, the layer sees every tensor and says why it keeps one.
+    with caplog.at_level("DEBUG", logger="cpu_offload"):
+        assert isinstance(sync.pack_hook(small), torch.Tensor)
+    assert calls == [MIN, MIN - 1]
+    assert any("kept" in r.getMessage() and "layer 0" in r.getMessage() for r in caplog.records)
+    sync.release_all()
+
+
+@pytest.mark.parametrize("policy", [lambda t: True, is_marked_for_offload])
+def test_a_policy_without_a_size_threshold_sees_every_tensor(policy):
+    # Only V2's ActivationPolicy has a size threshold to test at the door.
+    sync = v2.DefaultOffloadSynchronizer(2, 1, transport=HostTransport(), policy=policy)
+    sync.fwd_step()
+    one = torch.ones(1, requires_grad=True) * 2
+    mark_activation_offload(one)
+    assert isinstance(sync.pack_hook(one), TensorId)
+    sync.release_all()

@@ -19,6 +19,7 @@ from .._args import check_bool, check_int
 from .._compat import capture_buffer_policy, queue_backward_callback
 from .._warn import warn_at_caller
 from ..engine.layer_state import LayerPhase, OffloadableLayerState
+from ..engine.selection import ActivationPolicy
 from ..engine.tensor_group import TensorGroupProcessor
 from ..engine.transport import Transport, resolve_transport
 
@@ -43,6 +44,17 @@ __all__ = [
 # of an offloaded layer's weights. A tensor that needs no grad is detached all the same:
 # an in-place op may give it a grad_fn after its save (``h.add_(h * w)``) whose graph
 # reaches the node that saved it.
+
+
+# NOTE [Small tensors stay at the door]
+# The pack hook runs for every tensor an offloaded layer saves, and many of them (norm
+# statistics, masks, scalars) are below V2's size threshold: the layer would keep them
+# anyway. The hook tests the size first and keeps such a tensor without the layer's
+# bookkeeping, which it would otherwise pay in the forward, where the host often bounds
+# the step. The test is the first one ActivationPolicy makes, so what is offloaded does
+# not change; with another policy (V1's marks, a caller's own) the threshold is 0 and
+# every tensor goes to the layer. With DEBUG logging on, every tensor goes to the layer
+# too, which logs why it keeps each one.
 
 
 class TensorId(int):
@@ -106,6 +118,8 @@ class OffloadSynchronizer:
         self.retain_pinned_cpu_buffers = retain_pinned_cpu_buffers
         self.transport = resolve_transport(transport, offload_stream)
         self.policy = policy if policy is not None else self.transport.accepts
+        # See NOTE [Small tensors stay at the door].
+        self._min_numel = self.policy.min_numel if isinstance(self.policy, ActivationPolicy) else 0
         processor = TensorGroupProcessor()
         self.layers = [
             OffloadableLayerState(
@@ -228,12 +242,15 @@ class OffloadSynchronizer:
         """The saved-tensor pack hook the offload context installs.
 
         :meth:`push_tensor`, with a kept tensor detached unless it is a leaf that
-        requires grad (see NOTE [Kept tensors are detached]).
+        requires grad (see NOTE [Kept tensors are detached]). A tensor below the
+        policy's size threshold is kept without being handed to the layer (NOTE [Small
+        tensors stay at the door]).
         """
-        out = self.push_tensor(tensor)
-        if not isinstance(out, torch.Tensor):
-            return out
-        return out if out.requires_grad and out.is_leaf else out.detach()
+        if tensor.numel() >= self._min_numel or _log.debug_enabled():
+            out = self.push_tensor(tensor)
+            if not isinstance(out, torch.Tensor):
+                return out
+        return tensor if tensor.requires_grad and tensor.is_leaf else tensor.detach()
 
     def pop_tensor(self, packed: TensorId | torch.Tensor) -> torch.Tensor:
         """Saved-tensor unpack hook: the tensor pushed as ``packed``.
