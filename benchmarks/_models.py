@@ -52,12 +52,22 @@ def init_megatron() -> None:
 
 
 def megatron_gpt(
-    layers: int, hidden: int, heads: int, seq: int, batch: int, vocab: int = MEGATRON_VOCAB
+    layers: int,
+    hidden: int,
+    heads: int,
+    seq: int,
+    batch: int,
+    vocab: int = MEGATRON_VOCAB,
+    *,
+    cpu_offloading_num_layers: int = 0,
 ) -> tuple[nn.Module, Callable[[torch.Tensor], torch.Tensor]]:
     """Megatron-Core's GPT and ``loss(tokens)``: the mean of its per-token losses.
 
     Starts a one-rank process group and Megatron's model-parallel state the first time
-    (:func:`init_megatron`).
+    (:func:`init_megatron`). With ``cpu_offloading_num_layers`` k > 0, Megatron's own
+    offloading of its first k layers is on: its block takes its context from
+    ``megatron.core.transformer.transformer_block.get_cpu_offload_context`` when built.
+    Every call builds the same weights.
     """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -76,6 +86,8 @@ def megatron_gpt(
         attention_dropout=0.0,
         bf16=True,
         params_dtype=torch.bfloat16,
+        cpu_offloading=cpu_offloading_num_layers > 0,
+        cpu_offloading_num_layers=cpu_offloading_num_layers,
     )
     gpt = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=vocab, max_sequence_length=seq)
     model = Float16Module(config, gpt.cuda())

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _models import MEGATRON_VOCAB, init_megatron
+from _models import MEGATRON_VOCAB, init_megatron, megatron_gpt
 from _report import bit_identical, exact, timed_as_users_train, write_reports
 
 import cpu_offload
@@ -90,62 +90,35 @@ class Model:
     """One Megatron-Core GPT of the workload, with or without an offload context."""
 
     def __init__(self, label: str, k: int, context: Callable[..., Any] | None) -> None:
-        from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
         from megatron.core.transformer import transformer_block
-        from megatron.core.transformer.module import Float16Module
-        from megatron.core.transformer.transformer_config import TransformerConfig
 
         self.label = label
         transformer_block.get_cpu_offload_context = context  # read once, when the block is built
-        torch.manual_seed(1)
-        model_parallel_cuda_manual_seed(1)  # the same weights for every model
-        config = TransformerConfig(
-            num_layers=DIMS["layers"],
-            hidden_size=DIMS["hidden"],
-            num_attention_heads=DIMS["heads"],
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
-            bf16=True,
-            params_dtype=torch.bfloat16,
-            cpu_offloading=k > 0,
-            cpu_offloading_num_layers=k,
-        )
-        gpt = GPTModel(
-            config,
-            get_gpt_layer_local_spec(),
-            vocab_size=MEGATRON_VOCAB,
-            max_sequence_length=DIMS["seq"],
-        )
-        self.module = Float16Module(config, gpt.cuda())
+        self.module, self.loss = megatron_gpt(**DIMS, cpu_offloading_num_layers=k)
         self.times: list[float] = []  # ms, every timed step
         self.rounds: list[float] = []  # ms, the median of each round
         self.peak = 0  # bytes above the allocation before a step, the highest seen
 
-    def step(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        tokens, pos, mask, labels = batch
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
         self.module.zero_grad(set_to_none=True)
-        loss = self.module(tokens, pos, mask, labels=labels).float().mean()
+        loss = self.loss(tokens)
         loss.backward()
         return loss.detach()
 
-    def first_step(
-        self, batch: tuple[torch.Tensor, ...]
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def first_step(self, tokens: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         with exact():
-            loss = self.step(batch)
+            loss = self.step(tokens)
         grads = [p.grad.clone() for p in self.module.parameters() if p.grad is not None]
         return loss, grads
 
-    def timed(self, batch: tuple[torch.Tensor, ...], steps: int) -> None:
+    def timed(self, tokens: torch.Tensor, steps: int) -> None:
         ms = []
         for _ in range(steps):
             torch.cuda.synchronize()
             before = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
             t = time.perf_counter()
-            self.step(batch)
+            self.step(tokens)
             torch.cuda.synchronize()
             ms.append((time.perf_counter() - t) * 1e3)
             self.peak = max(self.peak, torch.cuda.max_memory_allocated() - before)
@@ -184,22 +157,22 @@ def run_k(
     none: Model,
     ours_fn: Callable[..., Any],
     te_fn: Callable[..., Any] | None,
-    batch: tuple[torch.Tensor, ...],
+    tokens: torch.Tensor,
     want: tuple[torch.Tensor, list[torch.Tensor]],
     args: argparse.Namespace,
 ) -> dict[str, Any]:
     models = [none, Model("ours", k, ours_fn)]
     if te_fn is not None:
         models.append(Model("te", k, te_fn))
-    exact_ok = {m.label: bit_identical(m.first_step(batch), want) for m in models[1:]}
+    exact_ok = {m.label: bit_identical(m.first_step(tokens), want) for m in models[1:]}
     none.times, none.rounds, none.peak = [], [], 0
     with timed_as_users_train():
         for m in models:
             for _ in range(args.warmup):
-                m.step(batch)
+                m.step(tokens)
         for r in range(args.rounds):
             for m in models[r % len(models) :] + models[: r % len(models)]:
-                m.timed(batch, args.steps)
+                m.timed(tokens, args.steps)
     out: dict[str, Any] = {"k": k, "exact": exact_ok}
     for m in models:
         out[m.label] = {
@@ -275,20 +248,16 @@ def main() -> int:
     init_megatron()
     handle = use_with_megatron_core()  # the linear layers read HAVE_TE when they run
     ours_fn = handle.function
-    seq, batch_size = DIMS["seq"], DIMS["batch"]
-    tokens = torch.randint(0, MEGATRON_VOCAB, (batch_size, seq), device="cuda")
-    pos = torch.arange(seq, device="cuda").unsqueeze(0).expand(batch_size, -1)
-    mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool, device="cuda"), diagonal=1)
-    batch = (tokens, pos, mask, torch.roll(tokens, -1, 1))
+    tokens = torch.randint(0, MEGATRON_VOCAB, (DIMS["batch"], DIMS["seq"]), device="cuda")
     gbps = link_gbps()
     device = torch.cuda.get_device_name()
     print(f"torch {torch.__version__}, {device}, cpu_offload {cpu_offload.__file__}; "
           f"pinned {gbps[0]:.1f} / {gbps[1]:.1f} GB/s", flush=True)  # fmt: skip
     none = Model("none", 0, None)
-    want = none.first_step(batch)
+    want = none.first_step(tokens)
     results = []
     for k in ks:
-        results.append(run_k(k, none, ours_fn, te_fn, batch, want, args))
+        results.append(run_k(k, none, ours_fn, te_fn, tokens, want, args))
         r = results[-1]
         text = f"k={k}: none {r['none']['median_ms']:.1f} ms, ours {r['ours']['median_ms']:.1f} ms"
         if te_fn is not None:
