@@ -8,6 +8,9 @@ step: this benchmark measures that price, on the GPU or on the CPU stand-in.
   around it and tiny tensors, so that only host time is measured. ``per tensor`` is the
   cost of one offloaded tensor's round trip, ``per layer`` the cost of one layer's steps
   with nothing saved.
+* **pack hook**: V2's pack hook, as the context installs it, for a tensor it keeps
+  (below the size threshold, NOTE [Small tensors stay at the door]), beside a hook that
+  only detaches: the least a hook can cost per saved tensor.
 * **model**: the GPT stack of ``cpu-offload compare`` (on CUDA its default model: 8 layers,
   hidden 2048, 16 heads, seq 2048, batch 2, bf16; on the CPU a small one), run without
   offloading, with V2 and nothing eligible (hooks only), and with V2 offloading k layers
@@ -17,7 +20,8 @@ step: this benchmark measures that price, on the GPU or on the CPU stand-in.
   to enqueue one step (no synchronization; on the CPU this is the whole step, timed as
   the thread's CPU time so that other work on the machine disturbs it less), the step
   time, the peak memory on CUDA, and the tensors saved per step. Variants run in turns,
-  each turn in a rotated order (so that no variant always follows the same one). Two
+  each turn in a rotated order (so that each variant runs first, second, ... equally
+  often over as many turns as there are variants). Two
   readings of each: the best turn (``host x``, ``step x``: best against best), and the
   median over turns of the ratio to no offloading *in the same turn* (``paired``, with
   its interquartile range), which a host whose pace drifts between turns disturbs far
@@ -44,6 +48,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cpu_offload import CudaTransport, HostTransport, Transport, v2
+from cpu_offload._compile import outside_compile
 from cpu_offload.models import ModelSpec, build_layers
 
 CUDA_SPEC = ModelSpec(kind="gpt", hidden=2048, heads=16, seq=2048, batch=2, layers=8,
@@ -138,6 +143,31 @@ def engine(device: str, layers: int = 8, k: int = 4, per_layer: int = 16) -> dic
         "offloaded_layers": k,
         "tensors_per_layer": per_layer,
     }
+
+
+def pack_hook_cost(device: str, repeat: int = 20000) -> dict:
+    """Host time of one pack hook call for a kept tensor: V2's and the floor's (microseconds)."""
+    ctx, _ = v2.get_cpu_offload_context(
+        enabled=True, num_layers=1, model_layers=3, transport=_transport(device)
+    )
+    sync = ctx.offload_synchronizer
+    installed = outside_compile(sync.pack_hook)  # as the context installs it (ActiveHooks)
+    sync.fwd_step()  # layer 0, offloaded: its tensors go through the hook
+    weight = torch.ones(16, device=device, requires_grad=True)
+    small = weight * 2  # below the threshold: kept
+
+    def best(fn: Callable[[torch.Tensor], object]) -> float:
+        runs = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(repeat):
+                fn(small)
+            runs.append(time.perf_counter() - t0)
+        return min(runs) / repeat * 1e6
+
+    out = {"v2_us": best(installed), "floor_us": best(_kept)}
+    sync.release_all()
+    return out
 
 
 # -- model ---------------------------------------------------------------------------
@@ -332,6 +362,11 @@ def main(argv: list[str] | None = None) -> int:
         f"engine: {eng['per_tensor_us']:.1f} us per offloaded tensor (round trip), "
         f"{eng['per_layer_us']:.1f} us per layer with nothing saved"
     )
+    hook = pack_hook_cost(device)
+    print(
+        f"pack hook for a kept tensor: V2 {hook['v2_us']:.2f} us, "
+        f"hooks that only detach {hook['floor_us']:.2f} us"
+    )
     model = run_model(spec, device, args.k, args.duplex, args.turns, args.steps)
     print(f"model: {model['spec']}")
     print(
@@ -358,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": device, "torch": torch.__version__, "engine": eng,
-                       "model": model}, f, indent=1)  # fmt: skip
+                       "pack_hook": hook, "model": model}, f, indent=1)  # fmt: skip
     return 0
 
 

@@ -14,10 +14,10 @@ round to round. Reported per model: the median step over all rounds, the peak of
 step above what was allocated before it (``torch.cuda.max_memory_allocated``, as the
 workload's earlier tables), whether the first step's loss and every gradient equal no
 offloading bit for bit (deterministic kernels), and the median over rounds of the ratios
-measured *in the same round* (ours / TE, each / no offloading) with their range. The
-ratio of medians taken in one round leaves out the drift of the link and the host between
-processes and between rounds: on a lent H100 the pinned host-to-device copy read 44.5 to
-55.0 GB/s in six processes of one call.
+measured *in the same round* (ours / TE, each / no offloading) with their range. A
+ratio of medians taken in one round is spared the drift of the link and the host between
+processes and, mostly, between rounds: on a lent H100 the pinned host-to-device copy read
+44.5 to 55.0 GB/s in six processes of one call.
 
     python benchmarks/workload_d.py --te .te/ref --ks 2,4,8 --json d.json --markdown d.md
 """
@@ -112,6 +112,10 @@ class Model:
         return loss, grads
 
     def timed(self, tokens: torch.Tensor, steps: int) -> None:
+        # The peak statistics are reset before every timed step, as a benchmark of one
+        # model would: our context chooses what to keep on the GPU in an iteration that
+        # sets a new peak (NOTE [Bytes that pay]), which the models run before it (their
+        # peaks are higher) deny it during the warm-up.
         ms = []
         for _ in range(steps):
             torch.cuda.synchronize()
@@ -184,9 +188,7 @@ def run_k(
             out[m.label]["x_none"] = paired(m, none)
     if te_fn is not None:
         out["ours_over_te"] = paired(models[1], models[2])
-    for m in models[1:]:
-        m.module = None  # type: ignore[assignment]
-    del models
+    del models  # the offloading models (and their host buffers) go with the last reference
     gc.collect()
     torch.cuda.empty_cache()
     empty_host = getattr(torch._C, "_host_emptyCache", None)
@@ -240,10 +242,18 @@ def main() -> int:
     p.add_argument("--json")
     p.add_argument("--markdown")
     args = p.parse_args()
-    ks = [int(x) for x in args.ks.split(",")]
+    try:
+        ks = [int(x) for x in args.ks.split(",")]
+    except ValueError:
+        p.error(f"--ks: comma-separated integers, got {args.ks!r}")
     for k in ks:
         if not 0 < k < DIMS["layers"]:
             p.error(f"--ks: each k must be in [1, {DIMS['layers'] - 1}], got {k}")
+    for name in ("rounds", "steps", "warmup"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if not torch.cuda.is_available():
+        p.error("workload D needs a CUDA GPU (and megatron-core)")
     te_fn = load_te(args.te) if args.te is not None else None
     init_megatron()
     handle = use_with_megatron_core()  # the linear layers read HAVE_TE when they run

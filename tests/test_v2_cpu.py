@@ -19,7 +19,7 @@ from cpu_offload import (
     mark_activation_offload,
     v2,
 )
-from cpu_offload.engine.selection import is_marked_for_offload
+from cpu_offload.engine.selection import ActivationPolicy, is_marked_for_offload
 from cpu_offload.models import MODEL_KINDS, ModelSpec, build_layers
 from cpu_offload.v2.synchronizer import TensorId
 
@@ -626,4 +626,30 @@ def test_a_policy_without_a_size_threshold_sees_every_tensor(policy):
     one = torch.ones(1, requires_grad=True) * 2
     mark_activation_offload(one)
     assert isinstance(sync.pack_hook(one), TensorId)
+    sync.release_all()
+
+
+def test_a_layer_whose_offload_started_refuses_small_tensors_too():
+    # NOTE [Small tensors stay at the door]: the door stays shut on a layer that no
+    # longer collects, whatever the logging level.
+    transport = HostTransport()
+    policy = ActivationPolicy(MIN, transport.accepts)  # as get_cpu_offload_context makes it
+    sync = v2.ManualOffloadSynchronizer(1, transport=transport, policy=policy)
+    sync.fwd_step()
+    assert isinstance(sync.pack_hook(torch.ones(1 << 20) * 2), TensorId)
+    sync.start_offload_layer(0)
+    with pytest.raises(RuntimeError, match=r"push_tensor\(\) called on layer 0 in state"):
+        sync.pack_hook(torch.ones(2) * 2)
+    sync.release_all()
+
+
+def test_a_subclass_of_the_default_policy_decides_for_small_tensors():
+    class TakesEverything(ActivationPolicy):
+        def __call__(self, tensor: torch.Tensor) -> bool:
+            return True
+
+    policy = TakesEverything(1 << 20, HostTransport().accepts)
+    sync = v2.DefaultOffloadSynchronizer(2, 1, transport=HostTransport(), policy=policy)
+    sync.fwd_step()
+    assert isinstance(sync.pack_hook(torch.ones(2, requires_grad=True) * 2), TensorId)
     sync.release_all()

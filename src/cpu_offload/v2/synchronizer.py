@@ -52,9 +52,15 @@ __all__ = [
 # anyway. The hook tests the size first and keeps such a tensor without the layer's
 # bookkeeping, which it would otherwise pay in the forward, where the host often bounds
 # the step. The test is the first one ActivationPolicy makes, so what is offloaded does
-# not change; with another policy (V1's marks, a caller's own) the threshold is 0 and
-# every tensor goes to the layer. With DEBUG logging on, every tensor goes to the layer
-# too, which logs why it keeps each one.
+# not change; with another policy (V1's marks, a caller's own, a subclass of
+# ActivationPolicy) the threshold is 0 and every tensor goes to the layer. The threshold
+# is read once, from the policy the synchronizer is made with. A layer that no longer
+# collects (its offload started) still gets every tensor, and refuses it with its
+# wrong-state error; with DEBUG logging on, every tensor goes to the layer too, which
+# logs why it keeps each one.
+
+
+_COLLECTING = LayerPhase.NOT_OFFLOADED  # read per saved tensor: a module name is cheaper
 
 
 class TensorId(int):
@@ -118,8 +124,9 @@ class OffloadSynchronizer:
         self.retain_pinned_cpu_buffers = retain_pinned_cpu_buffers
         self.transport = resolve_transport(transport, offload_stream)
         self.policy = policy if policy is not None else self.transport.accepts
-        # See NOTE [Small tensors stay at the door].
-        self._min_numel = self.policy.min_numel if isinstance(self.policy, ActivationPolicy) else 0
+        # See NOTE [Small tensors stay at the door]. Exactly the class: a subclass may
+        # take tensors below its threshold.
+        self._min_numel = self.policy.min_numel if type(self.policy) is ActivationPolicy else 0
         processor = TensorGroupProcessor()
         self.layers = [
             OffloadableLayerState(
@@ -246,7 +253,13 @@ class OffloadSynchronizer:
         policy's size threshold is kept without being handed to the layer (NOTE [Small
         tensors stay at the door]).
         """
-        if tensor.numel() >= self._min_numel or _log.debug_enabled():
+        layer = self.current_layer
+        if layer is not None and (
+            tensor.numel() >= self._min_numel
+            # A layer no longer collecting refuses every tensor, small ones too.
+            or self.layers[layer].phase is not _COLLECTING
+            or _log.debug_enabled()
+        ):
             out = self.push_tensor(tensor)
             if not isinstance(out, torch.Tensor):
                 return out
