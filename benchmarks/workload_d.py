@@ -188,7 +188,8 @@ def run_k(
             out[m.label]["x_none"] = paired(m, none)
     if te_fn is not None:
         out["ours_over_te"] = paired(models[1], models[2])
-    del models  # the offloading models (and their host buffers) go with the last reference
+    # The offloading models (and their host buffers) go with their last references.
+    del models, m
     gc.collect()
     torch.cuda.empty_cache()
     empty_host = getattr(torch._C, "_host_emptyCache", None)
