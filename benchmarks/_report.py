@@ -9,10 +9,12 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, TypeVar
 
 import torch
+
+_T = TypeVar("_T")
 
 
 def run_isolated(script: str, argv: list[str], on_failure: dict[str, Any]) -> dict[str, Any]:
@@ -109,3 +111,27 @@ def write_reports(
     if markdown_path:
         with open(markdown_path, "w") as fh:
             fh.write(markdown)
+
+
+def rotated(items: Sequence[_T], turn: int) -> list[_T]:
+    """``items`` in the order of turn ``turn``: over ``len(items)`` turns each item runs
+    first, second, ... once.
+
+    Example:
+        >>> rotated("abc", 4)
+        ['b', 'c', 'a']
+    """
+    shift = turn % len(items)
+    return [*items[shift:], *items[:shift]]
+
+
+def paired_ratios(times: Sequence[float], base: Sequence[float]) -> list[float]:
+    """Per turn, ``times`` over ``base`` measured in the same turn.
+
+    Example:
+        >>> paired_ratios([11.0, 22.0], [10.0, 20.0])
+        [1.1, 1.1]
+    """
+    if len(times) != len(base):
+        raise ValueError(f"one reading per turn each: {len(times)} against {len(base)}")
+    return [t / b for t, b in zip(times, base, strict=True)]

@@ -46,6 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from _report import paired_ratios, rotated
 
 from cpu_offload import CudaTransport, HostTransport, Transport, v2
 from cpu_offload._compile import outside_compile
@@ -253,8 +254,7 @@ def run_model(spec: ModelSpec, device: str, k: int, duplex: bool, turns: int, st
         v.saved = counter.count
     clock = _clock(device)
     for turn in range(turns):
-        shift = turn % len(variants)
-        for v in variants[shift:] + variants[:shift]:
+        for v in rotated(variants, turn):
             host, gpu = [], []
             for _ in range(steps):
                 _sync(device)
@@ -298,18 +298,6 @@ def run_model(spec: ModelSpec, device: str, k: int, duplex: bool, turns: int, st
         )
     offloading = next(v for v in variants if v.name == f"v2 k={k}")
     return {"spec": repr(spec), "rows": rows, "profile": _profile(offloading, one_step, device)}
-
-
-def paired_ratios(times: list[float], base: list[float]) -> list[float]:
-    """Per turn, ``times`` over ``base`` measured in the same turn.
-
-    Example:
-        >>> paired_ratios([11.0, 22.0], [10.0, 20.0])
-        [1.1, 1.1]
-    """
-    if len(times) != len(base):
-        raise ValueError(f"one reading per turn each: {len(times)} against {len(base)}")
-    return [t / b for t, b in zip(times, base, strict=True)]
 
 
 def _quartiles(values: list[float]) -> tuple[float, float]:

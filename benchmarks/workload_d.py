@@ -37,9 +37,17 @@ from typing import Any
 
 import torch
 from _models import MEGATRON_VOCAB, init_megatron, megatron_gpt
-from _report import bit_identical, exact, timed_as_users_train, write_reports
+from _report import (
+    bit_identical,
+    exact,
+    paired_ratios,
+    rotated,
+    timed_as_users_train,
+    write_reports,
+)
 
 import cpu_offload
+from cpu_offload.compare import measure_link
 from cpu_offload.megatron import use_with_megatron_core
 
 DIMS = dict(layers=16, hidden=2048, heads=16, seq=2048, batch=2)
@@ -130,29 +138,9 @@ class Model:
         self.rounds.append(statistics.median(ms))
 
 
-def link_gbps(nbytes: int = 512 << 20) -> tuple[float, float]:
-    """Pinned copy bandwidth, device to host and host to device (GB/s)."""
-    out = []
-    for d2h in (True, False):
-        src = torch.empty(
-            nbytes, dtype=torch.uint8, device="cuda" if d2h else "cpu", pin_memory=not d2h
-        )
-        dst = torch.empty(
-            nbytes, dtype=torch.uint8, device="cpu" if d2h else "cuda", pin_memory=d2h
-        )
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(5):
-            dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        out.append(5 * nbytes / (time.perf_counter() - t) / 1e9)
-    return out[0], out[1]
-
-
 def paired(num: Model, den: Model) -> dict[str, float]:
     """The median and range over rounds of ``num``'s round median over ``den``'s."""
-    ratios = [a / b for a, b in zip(num.rounds, den.rounds, strict=True)]
+    ratios = paired_ratios(num.rounds, den.rounds)
     return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
 
 
@@ -175,7 +163,7 @@ def run_k(
             for _ in range(args.warmup):
                 m.step(tokens)
         for r in range(args.rounds):
-            for m in models[r % len(models) :] + models[: r % len(models)]:
+            for m in rotated(models, r):
                 m.timed(tokens, args.steps)
     out: dict[str, Any] = {"k": k, "exact": exact_ok}
     for m in models:
@@ -199,11 +187,12 @@ def run_k(
 
 
 def markdown(
-    results: list[dict[str, Any]], device: str, gbps: tuple[float, float], te: bool
+    results: list[dict[str, Any]], device: str, gbps: tuple[float, float, float], te: bool
 ) -> str:
     lines = [
         f"Measured {datetime.date.today().isoformat()} on {device}, torch {torch.__version__}; "
-        f"pinned copy {gbps[0]:.1f} GB/s device to host, {gbps[1]:.1f} host to device.",
+        f"pinned copy {gbps[0]:.1f} GB/s device to host, {gbps[1]:.1f} host to device, "
+        f"{gbps[2]:.1f} both at once.",
         "",
         "| k | no offloading ms | ours ms (x none) | "
         + ("TE ms (x none) | ours / TE (range) | " if te else "")
@@ -260,7 +249,7 @@ def main() -> int:
     handle = use_with_megatron_core()  # the linear layers read HAVE_TE when they run
     ours_fn = handle.function
     tokens = torch.randint(0, MEGATRON_VOCAB, (DIMS["batch"], DIMS["seq"]), device="cuda")
-    gbps = link_gbps()
+    gbps = measure_link()  # device to host, host to device, both at once
     device = torch.cuda.get_device_name()
     print(f"torch {torch.__version__}, {device}, cpu_offload {cpu_offload.__file__}; "
           f"pinned {gbps[0]:.1f} / {gbps[1]:.1f} GB/s", flush=True)  # fmt: skip
