@@ -16,7 +16,8 @@ step: this benchmark measures that price, on the GPU or on the CPU stand-in.
   offloading, with V2 and nothing eligible (hooks only), and with V2 offloading k layers
   (with ``--duplex`` also the duplex schedule); beside them the floor of any saved-tensor
   hooks: hooks that only detach what they are given (as V2's do with a tensor they keep,
-  NOTE [Kept tensors are detached]), entered around each layer. For each: the host time
+  NOTE [Kept tensors are detached]), entered around each layer; and on CUDA the floor of
+  any offloading of the same bytes on the same schedule (:class:`CopiesFloor`). For each: the host time
   to enqueue one step (no synchronization; on the CPU this is the whole step, timed as
   the thread's CPU time so that other work on the machine disturbs it less), the step
   time, the peak memory on CUDA, and the tensors saved per step. Variants run in turns,
@@ -205,6 +206,86 @@ class _Counter:
         return t
 
 
+class CopiesFloor:
+    """The least any offloading of the same bytes on the same schedule can cost.
+
+    Hooks that only detach, as the hooks floor's, plus the copies V2's default schedule
+    makes, at its points: the storages of the tensors that V2's own policy picks in each
+    of the first ``k`` layers (each storage once, as V2 moves a view's base once) are
+    copied to pinned host buffers when the layer's forward ends, and the compute stream
+    waits for them before the forward of layer ``n-k+i``; they are copied back into device
+    buffers on a second stream when the backward of layer ``n-k+i-1`` begins, and the
+    compute stream waits for that before layer ``i``'s own backward. Nothing is released,
+    rebuilt or allocated after the first step (autograd keeps every saved tensor, so the
+    step stays exact): what is left is the link's time, the copies' weight on the host and
+    on the device's memory, and one copy call per storage. The step of this variant over
+    no offloading is what moving these bytes costs on the machine; V2's over this one is
+    what its own bookkeeping adds.
+    """
+
+    def __init__(self, n: int, k: int, policy: Callable[[torch.Tensor], bool]) -> None:
+        self.n, self.k, self.policy = n, k, policy
+        self.out_stream, self.in_stream = torch.cuda.Stream(), torch.cuda.Stream()
+        self.layer = -1
+        self.storages: list[dict[int, torch.UntypedStorage]] = [{} for _ in range(k)]
+        self.host: dict[tuple[int, int], torch.Tensor] = {}  # (layer, index) -> pinned
+        self.device: dict[tuple[int, int], torch.Tensor] = {}  # copies back land here
+        self.out_done: list[torch.cuda.Event | None] = [None] * k
+        self.in_done: list[torch.cuda.Event | None] = [None] * k
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _same)
+
+    def __enter__(self) -> None:
+        self.layer = (self.layer + 1) % self.n
+        self.hooks.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self.hooks.__exit__(*exc)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self.layer < self.k and self.policy(t):
+            storage = t.untyped_storage()
+            self.storages[self.layer].setdefault(storage.data_ptr(), storage)
+        return _kept(t)
+
+    def _buffer(self, table: dict, key: tuple[int, int], nbytes: int, **kw: object) -> torch.Tensor:
+        buf = table.get(key)
+        if buf is None or buf.numel() != nbytes:
+            buf = table[key] = torch.empty(nbytes, dtype=torch.uint8, **kw)  # type: ignore[arg-type]
+        return buf
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """Ends the current layer's forward (the variant's ``sync``)."""
+        layer, n, k = self.layer, self.n, self.k
+        if layer < k:
+            self.out_stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.out_stream):
+                for j, storage in enumerate(self.storages[layer].values()):
+                    src = torch.empty(0, dtype=torch.uint8, device=x.device).set_(storage)
+                    buf = self._buffer(self.host, (layer, j), src.numel(), pin_memory=True)
+                    buf.copy_(src, non_blocking=True)
+            self.out_done[layer] = self.out_stream.record_event()
+        if n - k - 1 <= layer < n - 1:  # the forward of layer n-k+i comes next
+            torch.cuda.current_stream().wait_event(self.out_done[layer - (n - k - 1)])
+        out = x if x.grad_fn is not None else x.view_as(x)
+        out.grad_fn.register_prehook(lambda grads: self._backward_starts(layer))
+        return out
+
+    def _backward_starts(self, layer: int) -> None:
+        n, k = self.n, self.k
+        i = layer - (n - k - 1)  # the layer whose copy back starts here
+        if 0 <= i < k:
+            self.in_stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.in_stream):
+                for j in range(len(self.storages[i])):
+                    src = self.host[(i, j)]
+                    buf = self._buffer(self.device, (i, j), src.numel(), device="cuda")
+                    buf.copy_(src, non_blocking=True)
+            self.in_done[i] = self.in_stream.record_event()
+        if layer < k:
+            torch.cuda.current_stream().wait_event(self.in_done[layer])
+            self.storages[layer] = {}  # the next step saves new tensors
+
+
 def run_model(spec: ModelSpec, device: str, k: int, duplex: bool, turns: int, steps: int) -> dict:
     layers = build_layers(spec, device)
     x0 = spec.make_input(device)
@@ -230,6 +311,11 @@ def run_model(spec: ModelSpec, device: str, k: int, duplex: bool, turns: int, st
             v.ctx, v.sync = v2.get_cpu_offload_context(
                 enabled=True, model_layers=spec.layers, **v.kwargs
             )
+    if device == "cuda":  # the same bytes moved at the same points, and nothing else
+        v2_k = next(v for v in variants if v.name == f"v2 k={k}")
+        policy = v2_k.ctx.offload_synchronizer.policy  # type: ignore[attr-defined]
+        floor = CopiesFloor(spec.layers, k, policy)
+        variants.insert(2, Variant("copies floor", None, ctx=floor, sync=floor))
 
     def one_step(v: Variant) -> None:
         x = x0.detach().requires_grad_()

@@ -19,6 +19,12 @@ ratio of medians taken in one round is spared the drift of the link and the host
 processes and, mostly, between rounds: on a lent H100 the pinned host-to-device copy read
 44.5 to 55.0 GB/s in six processes of one call.
 
+With ``--budget-te`` a fourth model takes part: our context with ``memory_budget`` set to
+the peak Transformer Engine's code reached in its warm-up steps, as a user who moves a job
+over from Transformer Engine can give it (NOTE [Bytes that pay] in
+``cpu_offload/engine/peak_watch.py``: the offloaded layers keep on the GPU what fits
+under the budget and move only the rest).
+
     python benchmarks/workload_d.py --te .te/ref --ks 2,4,8 --json d.json --markdown d.md
 """
 
@@ -52,6 +58,7 @@ from cpu_offload.megatron import use_with_megatron_core
 
 DIMS = dict(layers=16, hidden=2048, heads=16, seq=2048, batch=2)
 TE_FILE = Path("_te_ref") / "pytorch" / "cpu_offload.py"
+BUDGET_LABEL = "ours, TE's peak as memory_budget"
 
 
 def load_te(folder: Path) -> Callable[..., Any]:
@@ -106,6 +113,8 @@ class Model:
         self.times: list[float] = []  # ms, every timed step
         self.rounds: list[float] = []  # ms, the median of each round
         self.peak = 0  # bytes above the allocation before a step, the highest seen
+        self.budget = 0  # memory_budget given to our context, if any (bytes)
+        self.weights_error = 0  # allocated after building, less what the budget assumed
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         self.module.zero_grad(set_to_none=True)
@@ -123,7 +132,9 @@ class Model:
         # The peak statistics are reset before every timed step, as a benchmark of one
         # model would: our context chooses what to keep on the GPU in an iteration that
         # sets a new peak (NOTE [Bytes that pay]), which the models run before it (their
-        # peaks are higher) deny it during the warm-up.
+        # peaks are higher) deny it during the warm-up. The gradients go after each step,
+        # untimed, so that every step starts from the same allocated memory (the weights
+        # of every model): a budget of absolute bytes then means the same for each model.
         ms = []
         for _ in range(steps):
             torch.cuda.synchronize()
@@ -134,8 +145,36 @@ class Model:
             torch.cuda.synchronize()
             ms.append((time.perf_counter() - t) * 1e3)
             self.peak = max(self.peak, torch.cuda.max_memory_allocated() - before)
+            self.module.zero_grad(set_to_none=True)
         self.times += ms
         self.rounds.append(statistics.median(ms))
+
+
+def budget_as_te(k: int, te: Model, tokens: torch.Tensor, steps: int, model_bytes: int) -> Model:
+    """Our context with ``memory_budget`` at the peak that Transformer Engine's code reached.
+
+    What a user migrating from Transformer Engine can give: the memory the job had. The
+    budget is absolute allocated bytes: TE's peak above the memory before its step, plus
+    that memory, plus ``model_bytes`` (what building TE's model allocated) for the new
+    model's weights. Every model's gradients are released between steps (see
+    :meth:`Model.timed`), so each model's steps start from the same memory.
+    """
+    torch.cuda.synchronize()
+    before_te = torch.cuda.memory_allocated()
+    peak = 0
+    for _ in range(steps):
+        torch.cuda.reset_peak_memory_stats()
+        te.step(tokens)
+        torch.cuda.synchronize()
+        peak = max(peak, torch.cuda.max_memory_allocated() - before_te)
+        te.module.zero_grad(set_to_none=True)
+    budget = before_te + model_bytes + peak  # once the new model's weights are allocated
+    with use_with_megatron_core(memory_budget=budget) as handle:
+        model = Model(BUDGET_LABEL, k, handle.function)
+    torch.cuda.synchronize()
+    model.budget = budget
+    model.weights_error = torch.cuda.memory_allocated() - (before_te + model_bytes)
+    return model
 
 
 def paired(num: Model, den: Model) -> dict[str, float]:
@@ -154,14 +193,24 @@ def run_k(
     args: argparse.Namespace,
 ) -> dict[str, Any]:
     models = [none, Model("ours", k, ours_fn)]
+    te_bytes = 0  # what building one model allocates
     if te_fn is not None:
+        torch.cuda.synchronize()
+        te_bytes = -torch.cuda.memory_allocated()
         models.append(Model("te", k, te_fn))
+        te_bytes += torch.cuda.memory_allocated()
     exact_ok = {m.label: bit_identical(m.first_step(tokens), want) for m in models[1:]}
     none.times, none.rounds, none.peak = [], [], 0
     with timed_as_users_train():
         for m in models:
             for _ in range(args.warmup):
                 m.step(tokens)
+            m.module.zero_grad(set_to_none=True)
+        if te_fn is not None and args.budget_te:
+            models.append(budget_as_te(k, models[2], tokens, args.warmup, te_bytes))
+    if len(models) == 4:
+        exact_ok[models[3].label] = bit_identical(models[3].first_step(tokens), want)
+        models[3].module.zero_grad(set_to_none=True)
         for r in range(args.rounds):
             for m in rotated(models, r):
                 m.timed(tokens, args.steps)
@@ -176,6 +225,10 @@ def run_k(
             out[m.label]["x_none"] = paired(m, none)
     if te_fn is not None:
         out["ours_over_te"] = paired(models[1], models[2])
+    if len(models) == 4:
+        out["budget_gib"] = models[3].budget / 2**30
+        out["budget_weights_error_bytes"] = models[3].weights_error
+        out["ours_budget_over_te"] = paired(models[3], models[2])
     # The offloading models (and their host buffers) go with their last references.
     del models, m
     gc.collect()
@@ -217,6 +270,22 @@ def markdown(
             row.append(f"{r['te']['peak_gib']:.2f}")
         row.append(", ".join(f"{name} {'yes' if ok else 'NO'}" for name, ok in r["exact"].items()))
         lines.append("| " + " | ".join(row) + " |")
+    budgeted = [r for r in results if BUDGET_LABEL in r]
+    if budgeted:
+        lines += [
+            "",
+            f"{BUDGET_LABEL} (the same rounds):",
+            "",
+            "| k | memory_budget GiB (allocated, all models' weights in) | ms (x none) | / TE (range) | peak GiB | TE peak GiB |",
+            "|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in budgeted:
+            b, ot = r[BUDGET_LABEL], r["ours_budget_over_te"]
+            lines.append(
+                f"| {r['k']} | {r['budget_gib']:.2f} | {b['median_ms']:.1f} "
+                f"({b['x_none']['median']:.3f}) | {ot['median']:.3f} ({ot['min']:.3f} to "
+                f"{ot['max']:.3f}) | {b['peak_gib']:.2f} | {r['te']['peak_gib']:.2f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -224,6 +293,11 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
         "--te", type=Path, help="te_reference.sh's output folder (Transformer Engine's code)"
+    )
+    p.add_argument(
+        "--budget-te",
+        action="store_true",
+        help="also run ours with memory_budget at the peak TE's code reached (needs --te)",
     )
     p.add_argument("--ks", default="2,4,8", help="layers offloaded, comma-separated")
     p.add_argument("--rounds", type=int, default=5)
@@ -242,6 +316,8 @@ def main() -> int:
     for name in ("rounds", "steps", "warmup"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.budget_te and args.te is None:
+        p.error("--budget-te needs --te: the budget is the peak Transformer Engine's code reached")
     if not torch.cuda.is_available():
         p.error("workload D needs a CUDA GPU (and megatron-core)")
     te_fn = load_te(args.te) if args.te is not None else None
@@ -265,6 +341,11 @@ def main() -> int:
             text += (f", TE {r['te']['median_ms']:.1f} ms; ours / TE {ot['median']:.3f} "
                      f"({ot['min']:.3f} to {ot['max']:.3f}); peaks {r['ours']['peak_gib']:.2f} / "
                      f"{r['te']['peak_gib']:.2f} GiB")  # fmt: skip
+        if BUDGET_LABEL in r:
+            ob = r["ours_budget_over_te"]
+            text += (f"; {BUDGET_LABEL} ({r['budget_gib']:.2f} GiB) "
+                     f"{r[BUDGET_LABEL]['median_ms']:.1f} ms, / TE {ob['median']:.3f}, peak "
+                     f"{r[BUDGET_LABEL]['peak_gib']:.2f} GiB")  # fmt: skip
         print(text, r["exact"], flush=True)
     handle.remove()
     text = markdown(results, device, gbps, te_fn is not None)
