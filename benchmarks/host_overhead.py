@@ -220,11 +220,14 @@ class CopiesFloor:
     step stays exact): what is left is the link's time, the copies' weight on the host and
     on the device's memory, and one copy call per storage. The step of this variant over
     no offloading is what moving these bytes costs on the machine; V2's over this one is
-    what its own bookkeeping adds.
+    what its own bookkeeping adds. With ``wait=False`` the compute stream never waits for
+    a copy: what is left is the copies' weight alone, without the schedule's stalls.
     """
 
-    def __init__(self, n: int, k: int, policy: Callable[[torch.Tensor], bool]) -> None:
-        self.n, self.k, self.policy = n, k, policy
+    def __init__(
+        self, n: int, k: int, policy: Callable[[torch.Tensor], bool], wait: bool = True
+    ) -> None:
+        self.n, self.k, self.policy, self.wait = n, k, policy, wait
         self.out_stream, self.in_stream = torch.cuda.Stream(), torch.cuda.Stream()
         self.layer = -1
         self.storages: list[dict[int, torch.UntypedStorage]] = [{} for _ in range(k)]
@@ -264,7 +267,7 @@ class CopiesFloor:
                     buf = self._buffer(self.host, (layer, j), src.numel(), pin_memory=True)
                     buf.copy_(src, non_blocking=True)
             self.out_done[layer] = self.out_stream.record_event()
-        if n - k - 1 <= layer < n - 1:  # the forward of layer n-k+i comes next
+        if self.wait and n - k - 1 <= layer < n - 1:  # the forward of layer n-k+i comes next
             torch.cuda.current_stream().wait_event(self.out_done[layer - (n - k - 1)])
         out = x if x.grad_fn is not None else x.view_as(x)
         out.grad_fn.register_prehook(lambda grads: self._backward_starts(layer))
@@ -282,11 +285,20 @@ class CopiesFloor:
                     buf.copy_(src, non_blocking=True)
             self.in_done[i] = self.in_stream.record_event()
         if layer < k:
-            torch.cuda.current_stream().wait_event(self.in_done[layer])
+            if self.wait:
+                torch.cuda.current_stream().wait_event(self.in_done[layer])
             self.storages[layer] = {}  # the next step saves new tensors
 
 
-def run_model(spec: ModelSpec, device: str, k: int, duplex: bool, turns: int, steps: int) -> dict:
+def run_model(
+    spec: ModelSpec,
+    device: str,
+    k: int,
+    duplex: bool,
+    turns: int,
+    steps: int,
+    copies_unwaited: bool = False,
+) -> dict:
     layers = build_layers(spec, device)
     x0 = spec.make_input(device)
     on_cpu = device == "cpu"
@@ -316,6 +328,9 @@ def run_model(spec: ModelSpec, device: str, k: int, duplex: bool, turns: int, st
         policy = v2_k.ctx.offload_synchronizer.policy  # type: ignore[attr-defined]
         floor = CopiesFloor(spec.layers, k, policy)
         variants.insert(2, Variant("copies floor", None, ctx=floor, sync=floor))
+        if copies_unwaited:
+            loose = CopiesFloor(spec.layers, k, policy, wait=False)
+            variants.insert(3, Variant("copies, no waits", None, ctx=loose, sync=loose))
 
     def one_step(v: Variant) -> None:
         x = x0.detach().requires_grad_()
@@ -420,6 +435,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=("cuda", "cpu"), default=None)
     p.add_argument("-k", type=int, default=2, help="layers offloaded in the model runs")
     p.add_argument("--duplex", action="store_true", help="also run the duplex schedule")
+    p.add_argument(
+        "--copies-unwaited",
+        action="store_true",
+        help="on CUDA, also the copies floor without its waits (the copies' weight alone)",
+    )
     p.add_argument("--turns", type=int, default=5)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--no-profile", action="store_true")
@@ -441,7 +461,9 @@ def main(argv: list[str] | None = None) -> int:
         f"pack hook for a kept tensor: V2 {hook['v2_us']:.2f} us, "
         f"hooks that only detach {hook['floor_us']:.2f} us"
     )
-    model = run_model(spec, device, args.k, args.duplex, args.turns, args.steps)
+    model = run_model(
+        spec, device, args.k, args.duplex, args.turns, args.steps, args.copies_unwaited
+    )
     print(f"model: {model['spec']}")
     print(
         f"{'variant':24s} {'host ms':>8s} {'step ms':>8s} {'host x':>7s} {'step x':>7s} "
