@@ -17,16 +17,17 @@ step: this benchmark measures that price, on the GPU or on the CPU stand-in.
   (with ``--duplex`` also the duplex schedule); beside them the floor of any saved-tensor
   hooks: hooks that only detach what they are given (as V2's do with a tensor they keep,
   NOTE [Kept tensors are detached]), entered around each layer; and on CUDA the floor of
-  any offloading of the same bytes on the same schedule (:class:`CopiesFloor`). For each: the host time
-  to enqueue one step (no synchronization; on the CPU this is the whole step, timed as
-  the thread's CPU time so that other work on the machine disturbs it less), the step
-  time, the peak memory on CUDA, and the tensors saved per step. Variants run in turns,
-  each turn in a rotated order (so that each variant runs first, second, ... equally
-  often over as many turns as there are variants). Two
-  readings of each: the best turn (``host x``, ``step x``: best against best), and the
-  median over turns of the ratio to no offloading *in the same turn* (``paired``, with
-  its interquartile range), which a host whose pace drifts between turns disturbs far
-  less than a ratio of bests.
+  any offloading of as many bytes on the same schedule (:class:`CopiesFloor`). Every step
+  starts a new running peak, as in a process that trains one model. For each variant:
+  the host time to enqueue one step (no synchronization; on the CPU this is the whole
+  step, timed as the thread's CPU time so that other work on the machine disturbs it
+  less), the step time, the peak memory on CUDA, and the tensors saved per step.
+  Variants run in turns, each turn in a rotated order (so that each variant runs first,
+  second, ... equally often over as many turns as there are variants). Two readings of
+  each: the best turn (``host x``, ``step x``: best against best), and the median over
+  turns of the ratio to no offloading *in the same turn* (``paired``, with its
+  interquartile range), which a host whose pace drifts between turns disturbs far less
+  than a ratio of bests.
 * **profile**: where the host time of the V2 step goes, as a cProfile table of the
   functions of ``cpu_offload`` (and on CUDA a torch.profiler table).
 
@@ -209,33 +210,34 @@ class _Counter:
 class CopiesFloor:
     """The least any offloading of the same bytes on the same schedule can cost.
 
-    Hooks that only detach, as the hooks floor's, plus the copies V2's default schedule
-    makes, at its points: the storages of the tensors that V2's own policy picks in each
-    of the first ``k`` layers (each storage once, as V2 moves a view's base once) are
-    copied to pinned host buffers when the layer's forward ends, and the compute stream
-    waits for them before the forward of layer ``n-k+i``; they are copied back into device
-    buffers on a second stream when the backward of layer ``n-k+i-1`` begins, and the
-    compute stream waits for that before layer ``i``'s own backward. Nothing is released,
-    rebuilt or allocated after the first step (autograd keeps every saved tensor, so the
-    step stays exact): what is left is the link's time, the copies' weight on the host and
-    on the device's memory, and one copy call per storage. The step of this variant over
-    no offloading is what moving these bytes costs on the machine; V2's over this one is
-    what its own bookkeeping adds. With ``wait=False`` the compute stream never waits for
-    a copy: what is left is the copies' weight alone, without the schedule's stalls.
+    Hooks that only detach, as the hooks floor's, plus copies of as many bytes as V2
+    moves for each of the first ``k`` layers (``nbytes``, read off V2's layers once its
+    choice of what to keep has settled), at its default schedule's points: out to a
+    pinned host buffer when the layer's forward ends, the compute stream waiting for it
+    before the forward of layer ``n-k+i``; back into a device buffer on a second stream
+    when the backward of layer ``n-k+i-1`` begins, the compute stream waiting for it
+    before layer ``i``'s own backward. One copy per layer each way, from buffers
+    allocated once, and nothing released or rebuilt: what is left is the link's time,
+    the copies' weight on the host and on the device's memory, and two copy calls per
+    layer. The step of this variant over no offloading is what moving those bytes costs
+    on the machine; V2's over this one is what its own bookkeeping adds. With
+    ``wait=False`` the compute stream never waits for a copy: the copies' weight alone,
+    without the schedule's stalls.
     """
 
-    def __init__(
-        self, n: int, k: int, policy: Callable[[torch.Tensor], bool], wait: bool = True
-    ) -> None:
-        self.n, self.k, self.policy, self.wait = n, k, policy, wait
+    def __init__(self, n: int, nbytes: list[int], wait: bool = True) -> None:
+        self.n, self.k, self.wait = n, len(nbytes), wait
         self.out_stream, self.in_stream = torch.cuda.Stream(), torch.cuda.Stream()
         self.layer = -1
-        self.storages: list[dict[int, torch.UntypedStorage]] = [{} for _ in range(k)]
-        self.host: dict[tuple[int, int], torch.Tensor] = {}  # (layer, index) -> pinned
-        self.device: dict[tuple[int, int], torch.Tensor] = {}  # copies back land here
-        self.out_done: list[torch.cuda.Event | None] = [None] * k
-        self.in_done: list[torch.cuda.Event | None] = [None] * k
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _same)
+
+        def buffers(**kw: object) -> list[torch.Tensor]:
+            return [torch.empty(b, dtype=torch.uint8, **kw) for b in nbytes]  # type: ignore[arg-type]
+
+        self.src, self.back = buffers(device="cuda"), buffers(device="cuda")
+        self.host = buffers(pin_memory=True)
+        self.out_done: list[torch.cuda.Event | None] = [None] * self.k
+        self.in_done: list[torch.cuda.Event | None] = [None] * self.k
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(_kept, _same)
 
     def __enter__(self) -> None:
         self.layer = (self.layer + 1) % self.n
@@ -244,28 +246,13 @@ class CopiesFloor:
     def __exit__(self, *exc: object) -> None:
         self.hooks.__exit__(*exc)
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        if self.layer < self.k and self.policy(t):
-            storage = t.untyped_storage()
-            self.storages[self.layer].setdefault(storage.data_ptr(), storage)
-        return _kept(t)
-
-    def _buffer(self, table: dict, key: tuple[int, int], nbytes: int, **kw: object) -> torch.Tensor:
-        buf = table.get(key)
-        if buf is None or buf.numel() != nbytes:
-            buf = table[key] = torch.empty(nbytes, dtype=torch.uint8, **kw)  # type: ignore[arg-type]
-        return buf
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Ends the current layer's forward (the variant's ``sync``)."""
         layer, n, k = self.layer, self.n, self.k
         if layer < k:
             self.out_stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.out_stream):
-                for j, storage in enumerate(self.storages[layer].values()):
-                    src = torch.empty(0, dtype=torch.uint8, device=x.device).set_(storage)
-                    buf = self._buffer(self.host, (layer, j), src.numel(), pin_memory=True)
-                    buf.copy_(src, non_blocking=True)
+                self.host[layer].copy_(self.src[layer], non_blocking=True)
             self.out_done[layer] = self.out_stream.record_event()
         if self.wait and n - k - 1 <= layer < n - 1:  # the forward of layer n-k+i comes next
             torch.cuda.current_stream().wait_event(self.out_done[layer - (n - k - 1)])
@@ -274,20 +261,14 @@ class CopiesFloor:
         return out
 
     def _backward_starts(self, layer: int) -> None:
-        n, k = self.n, self.k
-        i = layer - (n - k - 1)  # the layer whose copy back starts here
-        if 0 <= i < k:
+        i = layer - (self.n - self.k - 1)  # the layer whose copy back starts here
+        if 0 <= i < self.k:
             self.in_stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.in_stream):
-                for j in range(len(self.storages[i])):
-                    src = self.host[(i, j)]
-                    buf = self._buffer(self.device, (i, j), src.numel(), device="cuda")
-                    buf.copy_(src, non_blocking=True)
+                self.back[i].copy_(self.host[i], non_blocking=True)
             self.in_done[i] = self.in_stream.record_event()
-        if layer < k:
-            if self.wait:
-                torch.cuda.current_stream().wait_event(self.in_done[layer])
-            self.storages[layer] = {}  # the next step saves new tensors
+        if self.wait and layer < self.k:
+            torch.cuda.current_stream().wait_event(self.in_done[layer])
 
 
 def run_model(
@@ -323,14 +304,6 @@ def run_model(
             v.ctx, v.sync = v2.get_cpu_offload_context(
                 enabled=True, model_layers=spec.layers, **v.kwargs
             )
-    if device == "cuda":  # the same bytes moved at the same points, and nothing else
-        v2_k = next(v for v in variants if v.name == f"v2 k={k}")
-        policy = v2_k.ctx.offload_synchronizer.policy  # type: ignore[attr-defined]
-        floor = CopiesFloor(spec.layers, k, policy)
-        variants.insert(2, Variant("copies floor", None, ctx=floor, sync=floor))
-        if copies_unwaited:
-            loose = CopiesFloor(spec.layers, k, policy, wait=False)
-            variants.insert(3, Variant("copies, no waits", None, ctx=loose, sync=loose))
 
     def one_step(v: Variant) -> None:
         x = x0.detach().requires_grad_()
@@ -345,9 +318,23 @@ def run_model(
         for p in layers.parameters():
             p.grad = None
 
-    for v in variants:  # warm-up
+    def warm_up(v: Variant) -> None:
         for _ in range(3):
+            _fresh_peak(device)
             one_step(v)
+
+    for v in variants:
+        warm_up(v)
+    v2_k = next(v for v in variants if v.name == f"v2 k={k}")
+    moved = _moved_bytes(v2_k)
+    if device == "cuda":  # as many bytes moved at the same points, and nothing else
+        floors = [Variant("copies floor", None)]
+        if copies_unwaited:
+            floors.append(Variant("copies, no waits", None))
+        for v in floors:
+            v.ctx = v.sync = CopiesFloor(spec.layers, moved, wait=v.name == "copies floor")
+            warm_up(v)
+        variants[2:2] = floors
     counter = _Counter()  # the tensors the model saves per step (offloading or not)
     with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
         one_step(variants[0])
@@ -358,6 +345,7 @@ def run_model(
         for v in rotated(variants, turn):
             host, gpu = [], []
             for _ in range(steps):
+                _fresh_peak(device)
                 _sync(device)
                 t0 = clock()
                 one_step(v)
@@ -397,8 +385,31 @@ def run_model(
                 "peak_mib": v.peak_mib,
             }
         )
-    offloading = next(v for v in variants if v.name == f"v2 k={k}")
-    return {"spec": repr(spec), "rows": rows, "profile": _profile(offloading, one_step, device)}
+    return {
+        "spec": repr(spec),
+        "rows": rows,
+        # V2's choice of what to keep can change while it runs: the floor copies what it
+        # moved after the warm-up, and both readings are shown.
+        "v2_moved_mib": {
+            "after_warmup": [b / 2**20 for b in moved],
+            "at_end": [b / 2**20 for b in _moved_bytes(v2_k)],
+        },
+        "profile": _profile(v2_k, one_step, device),
+    }
+
+
+def _fresh_peak(device: str) -> None:
+    # Each step starts a new running peak, as in a process that trains one model: V2
+    # chooses what to keep in an iteration that sets a new peak (NOTE [Bytes that pay]),
+    # which a variant run before it with a higher peak would otherwise deny it.
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _moved_bytes(v: Variant) -> list[int]:
+    """Bytes each offloaded layer of a V2 variant moved in its last step."""
+    sync = v.ctx.offload_synchronizer  # type: ignore[attr-defined]
+    return [sync.layers[i].moved_bytes for i in sorted(sync.schedule.offloaded)]
 
 
 def _quartiles(values: list[float]) -> tuple[float, float]:
@@ -465,6 +476,9 @@ def main(argv: list[str] | None = None) -> int:
         spec, device, args.k, args.duplex, args.turns, args.steps, args.copies_unwaited
     )
     print(f"model: {model['spec']}")
+    mv = model["v2_moved_mib"]
+    print(f"V2 moved MiB per offloaded layer: after the warm-up {mv['after_warmup']}, "
+          f"at the end {mv['at_end']}")  # fmt: skip
     print(
         f"{'variant':24s} {'host ms':>8s} {'step ms':>8s} {'host x':>7s} {'step x':>7s} "
         f"{'+us/layer':>10s} {'+us/saved':>10s} {'saved':>6s} {'peak MiB':>9s}"
