@@ -17,11 +17,12 @@ step: this benchmark measures that price, on the GPU or on the CPU stand-in.
   (with ``--duplex`` also the duplex schedule); beside them the floor of any saved-tensor
   hooks: hooks that only detach what they are given (as V2's do with a tensor they keep,
   NOTE [Kept tensors are detached]), entered around each layer; and on CUDA the floor of
-  any offloading of as many bytes on the same schedule (:class:`CopiesFloor`). Every step
-  starts a new running peak, as in a process that trains one model. For each variant:
+  bare copies of as many bytes at the same points (:class:`BareCopies`). Every step starts
+  a new running peak, as if each variant ran alone. For each variant:
   the host time to enqueue one step (no synchronization; on the CPU this is the whole
   step, timed as the thread's CPU time so that other work on the machine disturbs it
-  less), the step time, the peak memory on CUDA, and the tensors saved per step.
+  less), the step time, the peak memory on CUDA above what the step starts from, and the
+  tensors saved per step.
   Variants run in turns, each turn in a rotated order (so that each variant runs first,
   second, ... equally often over as many turns as there are variants). Two readings of
   each: the best turn (``host x``, ``step x``: best against best), and the median over
@@ -207,8 +208,8 @@ class _Counter:
         return t
 
 
-class CopiesFloor:
-    """The least any offloading of the same bytes on the same schedule can cost.
+class BareCopies:
+    """V2's copies and nothing else: the same bytes at the same points, whole layers at once.
 
     Hooks that only detach, as the hooks floor's, plus copies of as many bytes as V2
     moves for each of the first ``k`` layers (``nbytes``, read off V2's layers once its
@@ -219,13 +220,19 @@ class CopiesFloor:
     before layer ``i``'s own backward. One copy per layer each way, from buffers
     allocated once, and nothing released or rebuilt: what is left is the link's time,
     the copies' weight on the host and on the device's memory, and two copy calls per
-    layer. The step of this variant over no offloading is what moving those bytes costs
-    on the machine; V2's over this one is what its own bookkeeping adds. With
-    ``wait=False`` the compute stream never waits for a copy: the copies' weight alone,
-    without the schedule's stalls.
+    layer. It is a reference, not a strict lower bound: V2 starts each tensor's copy
+    after that tensor's own save and waits for each reloaded tensor where backward
+    reads it, while these copies wait for whole layers. With ``wait=False`` the compute
+    stream never waits for a copy: the copies' weight alone, without the schedule's
+    stalls.
+
+    Raises:
+        ValueError: If ``nbytes`` does not name between 1 and ``n - 1`` layers.
     """
 
     def __init__(self, n: int, nbytes: list[int], wait: bool = True) -> None:
+        if not 0 < len(nbytes) < n:
+            raise ValueError(f"nbytes: one entry per offloaded layer, 1 to {n - 1}, got {nbytes}")
         self.n, self.k, self.wait = n, len(nbytes), wait
         self.out_stream, self.in_stream = torch.cuda.Stream(), torch.cuda.Stream()
         self.layer = -1
@@ -256,6 +263,8 @@ class CopiesFloor:
             self.out_done[layer] = self.out_stream.record_event()
         if self.wait and n - k - 1 <= layer < n - 1:  # the forward of layer n-k+i comes next
             torch.cuda.current_stream().wait_event(self.out_done[layer - (n - k - 1)])
+        if not x.requires_grad:
+            raise ValueError("BareCopies needs each layer's output to require grad")
         out = x if x.grad_fn is not None else x.view_as(x)
         out.grad_fn.register_prehook(lambda grads: self._backward_starts(layer))
         return out
@@ -328,13 +337,14 @@ def run_model(
     v2_k = next(v for v in variants if v.name == f"v2 k={k}")
     moved = _moved_bytes(v2_k)
     if device == "cuda":  # as many bytes moved at the same points, and nothing else
-        floors = [Variant("copies floor", None)]
-        if copies_unwaited:
-            floors.append(Variant("copies, no waits", None))
-        for v in floors:
-            v.ctx = v.sync = CopiesFloor(spec.layers, moved, wait=v.name == "copies floor")
+        bare = [("bare copies", True)] + (
+            [("bare copies, no waits", False)] if copies_unwaited else []
+        )
+        copies = [Variant(name, None) for name, _ in bare]
+        for v, (_, wait) in zip(copies, bare, strict=True):
+            v.ctx = v.sync = BareCopies(spec.layers, moved, wait=wait)
             warm_up(v)
-        variants[2:2] = floors
+        variants[2:2] = copies
     counter = _Counter()  # the tensors the model saves per step (offloading or not)
     with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
         one_step(variants[0])
@@ -357,12 +367,13 @@ def run_model(
             v.host_ms.append(statistics.median(host))
             v.step_ms.append(statistics.median(gpu))
     if device == "cuda":
-        for v in variants:
+        for v in variants:  # above what the step starts from (bare copies' buffers too)
             torch.cuda.synchronize()
+            start = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
             one_step(v)
             torch.cuda.synchronize()
-            v.peak_mib = torch.cuda.max_memory_allocated() / 2**20
+            v.peak_mib = (torch.cuda.max_memory_allocated() - start) / 2**20
     none = variants[0]
     rows = []
     for v in variants:
@@ -383,11 +394,17 @@ def run_model(
                 "extra_host_per_saved_tensor_us": extra / max(v.saved, 1) * 1e3,
                 "saved_tensors": v.saved,
                 "peak_mib": v.peak_mib,
+                "step_ms_per_turn": v.step_ms,
             }
         )
+    bare_copies = next((v for v in variants if v.name == "bare copies"), None)
     return {
         "spec": repr(spec),
         "rows": rows,
+        # V2 over the copies alone, per turn: what V2 adds to moving its bytes.
+        "v2_over_bare_copies_paired": None
+        if bare_copies is None
+        else statistics.median(paired_ratios(v2_k.step_ms, bare_copies.step_ms)),
         # V2's choice of what to keep can change while it runs: the floor copies what it
         # moved after the warm-up, and both readings are shown.
         "v2_moved_mib": {
@@ -399,9 +416,9 @@ def run_model(
 
 
 def _fresh_peak(device: str) -> None:
-    # Each step starts a new running peak, as in a process that trains one model: V2
-    # chooses what to keep in an iteration that sets a new peak (NOTE [Bytes that pay]),
-    # which a variant run before it with a higher peak would otherwise deny it.
+    # Each step starts a new running peak, as if each variant ran alone: V2 chooses what
+    # to keep in an iteration that sets a new peak (NOTE [Bytes that pay]), which a
+    # variant run before it with a higher peak would otherwise deny it.
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
 
@@ -449,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--copies-unwaited",
         action="store_true",
-        help="on CUDA, also the copies floor without its waits (the copies' weight alone)",
+        help="on CUDA, also the bare copies without their waits (the copies' weight alone)",
     )
     p.add_argument("--turns", type=int, default=5)
     p.add_argument("--steps", type=int, default=10)
@@ -497,6 +514,10 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"  {r['variant']:24s} step x {r['step_ratio_paired']:.4f} [{lo:.4f}, {hi:.4f}]"
             f"  host x {r['host_ratio_paired']:.3f}"
+        )
+    if model["v2_over_bare_copies_paired"] is not None:
+        print(
+            f"  v2 k={args.k} over bare copies, paired: {model['v2_over_bare_copies_paired']:.4f}"
         )
     if not args.no_profile:
         print(model["profile"])

@@ -10,10 +10,11 @@ that ``te_reference.sh`` builds out of a Transformer Engine checkout (``--te DIR
 never enters this repository; without ``--te`` only ours runs beside no offloading.
 
 Each round runs every model for ``--steps`` timed steps, in an order that rotates from
-round to round. Reported per model: the median step over all rounds, the peak of the
-step above what was allocated before it (``torch.cuda.max_memory_allocated``, as the
-workload's earlier tables), whether the first step's loss and every gradient equal no
-offloading bit for bit (deterministic kernels), and the median over rounds of the ratios
+round to round. Reported per model: the median of all its timed steps, the peak of the
+step above what was allocated before it (``torch.cuda.max_memory_allocated``; before a
+step every model's weights are allocated and no gradients: they are released after each
+step, untimed), whether the first step's loss and every gradient equal no offloading bit
+for bit (deterministic kernels), and the median over rounds of the ratios
 measured *in the same round* (ours / TE, each / no offloading) with their range. A
 ratio of medians taken in one round is spared the drift of the link and the host between
 processes and, mostly, between rounds: on a lent H100 the pinned host-to-device copy read
@@ -153,7 +154,8 @@ class Model:
 def budget_as_te(k: int, te: Model, tokens: torch.Tensor, steps: int, model_bytes: int) -> Model:
     """Our context with ``memory_budget`` at the peak that Transformer Engine's code reached.
 
-    What a user migrating from Transformer Engine can give: the memory the job had. The
+    What a user migrating from Transformer Engine can give: the memory the job had. TE's
+    peak is the highest of ``steps`` more steps of its model, run after its warm-up. The
     budget is absolute allocated bytes: TE's peak above the memory before its step, plus
     that memory, plus ``model_bytes`` (what building TE's model allocated) for the new
     model's weights. Every model's gradients are released between steps (see
@@ -201,16 +203,25 @@ def run_k(
         te_bytes += torch.cuda.memory_allocated()
     exact_ok = {m.label: bit_identical(m.first_step(tokens), want) for m in models[1:]}
     none.times, none.rounds, none.peak = [], [], 0
+
+    def warm_up(m: Model) -> None:
+        for _ in range(args.warmup):
+            m.step(tokens)
+        m.module.zero_grad(set_to_none=True)
+
     with timed_as_users_train():
         for m in models:
-            for _ in range(args.warmup):
-                m.step(tokens)
-            m.module.zero_grad(set_to_none=True)
+            warm_up(m)
+        # TE's peak is read once its warm-up is done, as users train.
+        budgeted: Model | None = None
         if te_fn is not None and args.budget_te:
-            models.append(budget_as_te(k, models[2], tokens, args.warmup, te_bytes))
-    if len(models) == 4:
-        exact_ok[models[3].label] = bit_identical(models[3].first_step(tokens), want)
-        models[3].module.zero_grad(set_to_none=True)
+            budgeted = budget_as_te(k, models[2], tokens, args.warmup, te_bytes)
+    if budgeted is not None:
+        exact_ok[budgeted.label] = bit_identical(budgeted.first_step(tokens), want)
+        models.append(budgeted)
+    with timed_as_users_train():
+        if budgeted is not None:
+            warm_up(budgeted)
         for r in range(args.rounds):
             for m in rotated(models, r):
                 m.timed(tokens, args.steps)
@@ -225,12 +236,12 @@ def run_k(
             out[m.label]["x_none"] = paired(m, none)
     if te_fn is not None:
         out["ours_over_te"] = paired(models[1], models[2])
-    if len(models) == 4:
-        out["budget_gib"] = models[3].budget / 2**30
-        out["budget_weights_error_bytes"] = models[3].weights_error
-        out["ours_budget_over_te"] = paired(models[3], models[2])
+    if budgeted is not None:
+        out["budget_gib"] = budgeted.budget / 2**30
+        out["budget_weights_error_bytes"] = budgeted.weights_error
+        out["ours_budget_over_te"] = paired(budgeted, models[2])
     # The offloading models (and their host buffers) go with their last references.
-    del models, m
+    del models, m, budgeted
     gc.collect()
     torch.cuda.empty_cache()
     empty_host = getattr(torch._C, "_host_emptyCache", None)
