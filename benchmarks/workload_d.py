@@ -138,17 +138,25 @@ class Model:
         # of every model): a budget of absolute bytes then means the same for each model.
         ms = []
         for _ in range(steps):
-            torch.cuda.synchronize()
-            before = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            t = time.perf_counter()
-            self.step(tokens)
-            torch.cuda.synchronize()
-            ms.append((time.perf_counter() - t) * 1e3)
-            self.peak = max(self.peak, torch.cuda.max_memory_allocated() - before)
-            self.module.zero_grad(set_to_none=True)
+            step_ms, peak = self.measured_step(tokens)
+            ms.append(step_ms)
+            self.peak = max(self.peak, peak)
         self.times += ms
         self.rounds.append(statistics.median(ms))
+
+    def measured_step(self, tokens: torch.Tensor) -> tuple[float, int]:
+        """One step: its milliseconds, and its peak above the memory allocated before it
+        (bytes). The gradients are released afterwards, untimed."""
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        t = time.perf_counter()
+        self.step(tokens)
+        torch.cuda.synchronize()
+        ms = (time.perf_counter() - t) * 1e3
+        peak = torch.cuda.max_memory_allocated() - before
+        self.module.zero_grad(set_to_none=True)
+        return ms, peak
 
 
 def budget_as_te(k: int, te: Model, tokens: torch.Tensor, steps: int, model_bytes: int) -> Model:
@@ -163,13 +171,7 @@ def budget_as_te(k: int, te: Model, tokens: torch.Tensor, steps: int, model_byte
     """
     torch.cuda.synchronize()
     before_te = torch.cuda.memory_allocated()
-    peak = 0
-    for _ in range(steps):
-        torch.cuda.reset_peak_memory_stats()
-        te.step(tokens)
-        torch.cuda.synchronize()
-        peak = max(peak, torch.cuda.max_memory_allocated() - before_te)
-        te.module.zero_grad(set_to_none=True)
+    peak = max(te.measured_step(tokens)[1] for _ in range(steps))
     budget = before_te + model_bytes + peak  # once the new model's weights are allocated
     with use_with_megatron_core(memory_budget=budget) as handle:
         model = Model(BUDGET_LABEL, k, handle.function)
