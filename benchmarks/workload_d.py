@@ -26,7 +26,12 @@ over from Transformer Engine can give it (NOTE [Bytes that pay] in
 ``cpu_offload/engine/peak_watch.py``: the offloaded layers keep on the GPU what fits
 under the budget and move only the rest).
 
+With ``--margin-shares S,...`` one more model of ours takes part per ``S``: the same
+context, whose peak watch leaves ``1/S`` of the peak unused in its byte budgets instead
+of the default share (``BUDGET_MARGIN_SHARE``), to compare margins side by side.
+
     python benchmarks/workload_d.py --te .te/ref --ks 2,4,8 --json d.json --markdown d.md
+    python benchmarks/workload_d.py --te .te/ref --ks 4,8 --margin-shares 128
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ from _report import (
 
 import cpu_offload
 from cpu_offload.compare import measure_link
+from cpu_offload.engine.peak_watch import BUDGET_MARGIN_SHARE
 from cpu_offload.megatron import use_with_megatron_core
 
 DIMS = dict(layers=16, hidden=2048, heads=16, seq=2048, batch=2)
@@ -116,6 +122,24 @@ class Model:
         self.peak = 0  # bytes above the allocation before a step, the highest seen
         self.budget = 0  # memory_budget given to our context, if any (bytes)
         self.weights_error = 0  # allocated after building, less what the budget assumed
+        self.margin_share: int | None = None  # the peak watch's, where not the default
+
+    def synchronizer(self) -> Any:
+        """The synchronizer of our context in this model (its decoder's offload context)."""
+        for module in self.module.modules():
+            sync = getattr(getattr(module, "offload_context", None), "offload_synchronizer", None)
+            if sync is not None:
+                return sync
+        raise RuntimeError(f"{self.label}: no offload context of ours in the model")
+
+    def set_margin_share(self) -> None:
+        """Give the peak watch its margin share (made at the end of the first step)."""
+        if self.margin_share is None:
+            return
+        watch = self.synchronizer().peak_watch
+        if watch is None:
+            raise RuntimeError(f"{self.label}: no peak watch after a step (nothing offloaded?)")
+        watch.margin_share = self.margin_share
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         self.module.zero_grad(set_to_none=True)
@@ -181,6 +205,18 @@ def budget_as_te(k: int, te: Model, tokens: torch.Tensor, steps: int, model_byte
     return model
 
 
+def margin_label(share: int) -> str:
+    return f"ours, margin 1/{share}"
+
+
+def budgets_mib(model: Model) -> dict[int, float]:
+    """The byte budgets our peak watch gave the model's offloaded layers (MiB, nonzero)."""
+    watch = model.synchronizer().peak_watch
+    if watch is None:
+        return {}
+    return {layer: b / 2**20 for layer, b in sorted(watch.budgets.items()) if b}
+
+
 def paired(num: Model, den: Model) -> dict[str, float]:
     """The median and range over rounds of ``num``'s round median over ``den``'s."""
     ratios = paired_ratios(num.rounds, den.rounds)
@@ -197,6 +233,9 @@ def run_k(
     args: argparse.Namespace,
 ) -> dict[str, Any]:
     models = [none, Model("ours", k, ours_fn)]
+    for share in args.margin_share_list:
+        models.append(Model(margin_label(share), k, ours_fn))
+        models[-1].margin_share = share
     te_bytes = 0  # what building one model allocates
     if te_fn is not None:
         torch.cuda.synchronize()
@@ -207,6 +246,7 @@ def run_k(
     none.times, none.rounds, none.peak = [], [], 0
 
     def warm_up(m: Model) -> None:
+        m.set_margin_share()  # its first step (the exactness check) made the peak watch
         for _ in range(args.warmup):
             m.step(tokens)
         m.module.zero_grad(set_to_none=True)
@@ -217,7 +257,7 @@ def run_k(
         # TE's peak is read once its warm-up is done, as users train.
         budgeted: Model | None = None
         if te_fn is not None and args.budget_te:
-            budgeted = budget_as_te(k, models[2], tokens, args.warmup, te_bytes)
+            budgeted = budget_as_te(k, models[-1], tokens, args.warmup, te_bytes)
     if budgeted is not None:
         exact_ok[budgeted.label] = bit_identical(budgeted.first_step(tokens), want)
         models.append(budgeted)
@@ -236,14 +276,23 @@ def run_k(
         }
         if m is not none:
             out[m.label]["x_none"] = paired(m, none)
-    if te_fn is not None:
-        out["ours_over_te"] = paired(models[1], models[2])
-    if budgeted is not None:
+    ours = models[1]
+    te = next((m for m in models if m.label == "te"), None)
+    for m in models:
+        if m.label.startswith("ours"):
+            out[m.label]["budgets_mib"] = budgets_mib(m)
+        if m.margin_share is not None:
+            out[m.label]["over_ours"] = paired(m, ours)
+            if te is not None:
+                out[m.label]["over_te"] = paired(m, te)
+    if te is not None:
+        out["ours_over_te"] = paired(ours, te)
+    if budgeted is not None and te is not None:
         out["budget_gib"] = budgeted.budget / 2**30
         out["budget_weights_error_bytes"] = budgeted.weights_error
-        out["ours_budget_over_te"] = paired(budgeted, models[2])
+        out["ours_budget_over_te"] = paired(budgeted, te)
     # The offloading models (and their host buffers) go with their last references.
-    del models, m, budgeted
+    del models, m, budgeted, ours, te
     gc.collect()
     torch.cuda.empty_cache()
     empty_host = getattr(torch._C, "_host_emptyCache", None)
@@ -299,7 +348,31 @@ def markdown(
                 f"({b['x_none']['median']:.3f}) | {ot['median']:.3f} ({ot['min']:.3f} to "
                 f"{ot['max']:.3f}) | {b['peak_gib']:.2f} | {r['te']['peak_gib']:.2f} |"
             )
+    margins = [(r, label) for r in results for label in r if label.startswith("ours, margin")]
+    if margins:
+        lines += [
+            "",
+            "Our context with another margin share in its byte budgets (the same rounds; "
+            f"the default is 1/{BUDGET_MARGIN_SHARE}):",
+            "",
+            "| k | model | ms (x none) | / ours (range) | "
+            + ("/ TE (range) | " if te else "")
+            + "peak GiB | ours peak GiB | budgets MiB | ours' budgets MiB |",
+            "|---:|---|---:|---:|" + ("---:|" if te else "") + "---:|---:|---|---|",
+        ]
+        for r, label in margins:
+            m = r[label]
+            row = [str(r["k"]), label, f"{m['median_ms']:.1f} ({m['x_none']['median']:.3f})"]
+            ratios = [m["over_ours"]] + ([m["over_te"]] if te else [])
+            row += [f"{x['median']:.3f} ({x['min']:.3f} to {x['max']:.3f})" for x in ratios]
+            row += [f"{m['peak_gib']:.2f}", f"{r['ours']['peak_gib']:.2f}"]
+            row += [_budgets(m["budgets_mib"]), _budgets(r["ours"]["budgets_mib"])]
+            lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _budgets(mib: dict[int, float]) -> str:
+    return ", ".join(f"layer {layer}: {b:.0f}" for layer, b in mib.items()) or "none"
 
 
 def main() -> int:
@@ -311,6 +384,12 @@ def main() -> int:
         "--budget-te",
         action="store_true",
         help="also run ours with memory_budget at the peak TE's code reached (needs --te)",
+    )
+    p.add_argument(
+        "--margin-shares",
+        default="",
+        help="also run ours with its peak watch leaving 1/S of the peak unused in its byte "
+        f"budgets, one model per comma-separated S (default share 1/{BUDGET_MARGIN_SHARE})",
     )
     p.add_argument("--ks", default="2,4,8", help="layers offloaded, comma-separated")
     p.add_argument("--rounds", type=int, default=5)
@@ -326,6 +405,12 @@ def main() -> int:
     for k in ks:
         if not 0 < k < DIMS["layers"]:
             p.error(f"--ks: each k must be in [1, {DIMS['layers'] - 1}], got {k}")
+    try:
+        args.margin_share_list = [int(x) for x in args.margin_shares.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--margin-shares: comma-separated integers, got {args.margin_shares!r}")
+    if any(share < 1 for share in args.margin_share_list):
+        p.error(f"--margin-shares: each share must be at least 1, got {args.margin_shares}")
     for name in ("rounds", "steps", "warmup"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
@@ -359,6 +444,10 @@ def main() -> int:
             text += (f"; {BUDGET_LABEL} ({r['budget_gib']:.2f} GiB) "
                      f"{r[BUDGET_LABEL]['median_ms']:.1f} ms, / TE {ob['median']:.3f}, peak "
                      f"{r[BUDGET_LABEL]['peak_gib']:.2f} GiB")  # fmt: skip
+        for share in args.margin_share_list:
+            m = r[margin_label(share)]
+            text += (f"; margin 1/{share} {m['median_ms']:.1f} ms, / ours "
+                     f"{m['over_ours']['median']:.3f}, peak {m['peak_gib']:.2f} GiB")  # fmt: skip
         print(text, r["exact"], flush=True)
     handle.remove()
     text = markdown(results, device, gbps, te_fn is not None)

@@ -410,6 +410,30 @@ def test_a_negative_budget_is_refused():
         PeakWatch(_Reads(), [Window(0, 0, 1)], 2, budget=-1)
 
 
+@pytest.mark.parametrize("share", [2, 7, BUDGET_MARGIN_SHARE])
+def test_the_margin_share_sets_the_room_left_unused(share):
+    # A peak large enough that PEAK // share is above the floor for every share here.
+    peak = 100 * BUDGET_MARGIN_SHARE * BUDGET_MARGIN_MIN
+    reads = _Reads()
+    watch = PeakWatch(reads, [Window(0, 0, 3)], 5, slack=0, margin_share=share)
+    _run(watch, reads, [0, 1000, 1000, 1000, peak], {}, units={0: (0, 2 * peak)})
+    assert watch.budgets[0] == peak - 1000 - peak // share
+
+
+def test_the_margin_is_never_below_its_floor():
+    peak = BUDGET_MARGIN_SHARE * BUDGET_MARGIN_MIN // 2  # 1/share of it is half the floor
+    reads = _Reads()
+    watch = PeakWatch(reads, [Window(0, 0, 3)], 5, slack=0)
+    _run(watch, reads, [0, 1000, 1000, 1000, peak], {}, units={0: (0, 2 * peak)})
+    assert watch.budgets[0] == peak - 1000 - BUDGET_MARGIN_MIN
+
+
+@pytest.mark.parametrize("share", [0, -3])
+def test_a_margin_share_below_one_is_refused(share):
+    with pytest.raises(ValueError, match=f"margin_share must be >= 1, got {share}"):
+        PeakWatch(_Reads(), [Window(0, 0, 1)], 2, margin_share=share)
+
+
 # -- V2's default schedule on the CPU stand-in ---------------------------------------------
 
 N, K = 4, 2  # windows: layer 0 from the forward of 2 to the backward of 1, layer 1 3..2

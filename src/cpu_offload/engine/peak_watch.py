@@ -112,10 +112,12 @@ class PeakWatch:
             much, and a peak must rise by more to count as raised by them.
         budget: Bytes the step may peak at: room is read against the larger of it and
             the step's own peak (0: the step's own peak).
+        margin_share: A budget leaves ``1/margin_share`` of the peak unused (at least
+            ``BUDGET_MARGIN_MIN``), plus ``slack``.
 
     Raises:
-        ValueError: If ``windows`` is empty or one ends at or after ``points``, or
-            ``budget`` is negative.
+        ValueError: If ``windows`` is empty or one ends at or after ``points``,
+            ``budget`` is negative, or ``margin_share`` is below 1.
 
     Example:
         >>> peaks = iter([10, 20, 40, 60, 100])  # at begin, at points 0 to 2, at the end
@@ -132,9 +134,12 @@ class PeakWatch:
         points: int,
         slack: int = ALLOCATOR_SLACK,
         budget: int = 0,
+        margin_share: int = BUDGET_MARGIN_SHARE,
     ) -> None:
         if budget < 0:
             raise ValueError(f"budget must be >= 0 (bytes), got {budget}")
+        if margin_share < 1:
+            raise ValueError(f"margin_share must be >= 1, got {margin_share}")
         if not windows:
             raise ValueError("windows is empty: a watch needs at least one offloaded layer")
         for w in windows:
@@ -158,6 +163,7 @@ class PeakWatch:
         self.refused: set[int] = set()
         self.slack = slack
         self.budget = budget
+        self.margin_share = margin_share
         self._chosen_peak = 0  # the peak of the iterations the kept layers were chosen in
         #: Per layer, the bytes of units other than view bases it keeps on the device.
         self.budgets: dict[int, int] = {}
@@ -265,7 +271,7 @@ class PeakWatch:
         return self.kept
 
     def _margin(self, peak: int) -> int:
-        return self.slack + max(peak // BUDGET_MARGIN_SHARE, BUDGET_MARGIN_MIN)
+        return self.slack + max(peak // self.margin_share, BUDGET_MARGIN_MIN)
 
     def _grow_budgets(
         self,
