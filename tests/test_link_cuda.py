@@ -28,6 +28,8 @@ def test_a_slow_host_does_not_read_as_a_slow_link(monkeypatch):
     stalled = measure_link(NBYTES, repeats=3)
     # Each timed copy stalled: three one way, three the other, three pairs both ways.
     assert len(stalls) >= 3 + 3 + 2 * 3
-    # Timed from the host's side, each copy would read 5 ms longer: 5 times slower.
+    # Timed from the host's side, each copy would read 5 ms longer: 5 times slower. Other
+    # tests' copies may share the link with either reading (pytest -n), so the two are
+    # compared with room for that, far from the factor a host-side clock would give.
     for name, q, s in zip(("d2h", "h2d", "both"), quiet, stalled, strict=True):
-        assert s > 0.8 * q, (name, quiet, stalled)
+        assert s > 0.5 * q, (name, quiet, stalled)
