@@ -66,10 +66,9 @@ ALLOCATOR_SLACK = 2 << 20
 #: A budget leaves this share of the step's peak unused (plus ``ALLOCATOR_SLACK``, and at
 #: least ``BUDGET_MARGIN_MIN``): kept tensors change which cached blocks later
 #: allocations get, and a peak read in one iteration is not the next one's to the byte.
-#: On workload D (peaks of 10 to 16 GiB) a share of 1/128 left 80 to 130 MiB of room
-#: unused that 1/1024 (the 16 MiB floor there) filled at the same measured peak, the
-#: budgets never cut: 1.7% off the step at k=8 and 2.7% at k=4 (docs/benchmarks.md,
-#: "twenty-first").
+#: On workload D a share of 1/128 left 122 to 172 MiB of the last offloaded layer's room
+#: unused that 1/1024 filled, at the same measured peak and with no budget cut: 1.7 to
+#: 2.4% off the step at k=8 and 2.7 to 4.0% at k=4 (docs/benchmarks.md, "twenty-first").
 BUDGET_MARGIN_SHARE = 1024
 BUDGET_MARGIN_MIN = 16 << 20
 
