@@ -217,6 +217,15 @@ def budgets_mib(model: Model) -> dict[int, float]:
     return {layer: b / 2**20 for layer, b in sorted(watch.budgets.items()) if b}
 
 
+def watch_cuts(model: Model) -> dict[str, list[int]]:
+    """The layers whose budgets our peak watch cut (capped), or whose kept view bases it
+    moved again (refused), because a later peak rose inside their windows."""
+    watch = model.synchronizer().peak_watch
+    if watch is None:
+        return {"capped": [], "refused": []}
+    return {"capped": sorted(watch.capped), "refused": sorted(watch.refused)}
+
+
 def paired(num: Model, den: Model) -> dict[str, float]:
     """The median and range over rounds of ``num``'s round median over ``den``'s."""
     ratios = paired_ratios(num.rounds, den.rounds)
@@ -281,6 +290,7 @@ def run_k(
     for m in models:
         if m.label.startswith("ours"):
             out[m.label]["budgets_mib"] = budgets_mib(m)
+            out[m.label]["cut"] = watch_cuts(m)
         if m.margin_share is not None:
             out[m.label]["over_ours"] = paired(m, ours)
             if te is not None:
@@ -405,12 +415,16 @@ def main() -> int:
     for k in ks:
         if not 0 < k < DIMS["layers"]:
             p.error(f"--ks: each k must be in [1, {DIMS['layers'] - 1}], got {k}")
+    shares = args.margin_shares.split(",") if args.margin_shares.strip() else []
     try:
-        args.margin_share_list = [int(x) for x in args.margin_shares.split(",") if x.strip()]
+        args.margin_share_list = [int(x) for x in shares]
     except ValueError:
         p.error(f"--margin-shares: comma-separated integers, got {args.margin_shares!r}")
-    if any(share < 1 for share in args.margin_share_list):
-        p.error(f"--margin-shares: each share must be at least 1, got {args.margin_shares}")
+    for share in args.margin_share_list:
+        if share < 1:
+            p.error(f"--margin-shares: each share must be at least 1, got {share}")
+        if args.margin_share_list.count(share) > 1:
+            p.error(f"--margin-shares: each share once, got {share} more than once")
     for name in ("rounds", "steps", "warmup"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1, got {getattr(args, name)}")

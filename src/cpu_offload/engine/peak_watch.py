@@ -17,8 +17,8 @@ Two kinds of bytes stay on the device that way, chosen in this order:
   raising the step's peak, and moves them otherwise.
 * Any other units of the layer, up to a byte budget
   (``OffloadableLayerState.keep_budget``): the room its window has left, less a margin
-  (``ALLOCATOR_SLACK`` plus ``1/BUDGET_MARGIN_SHARE`` of the peak, at least
-  ``BUDGET_MARGIN_MIN``). Only a unit that owns its whole storage is kept: keeping a
+  (``ALLOCATOR_SLACK`` plus ``1/margin_share`` of the peak, by default
+  ``1/BUDGET_MARGIN_SHARE``, at least ``BUDGET_MARGIN_MIN``). Only a unit that owns its whole storage is kept: keeping a
   slice would keep the rest of its storage alive too, after the window as well. The
   innermost windows (the layers released last and reloaded first) are served first:
   their bytes are off the device for the shortest time, so each byte of room spares the
@@ -63,12 +63,14 @@ __all__ = ["ALLOCATOR_SLACK", "BUDGET_MARGIN_MIN", "BUDGET_MARGIN_SHARE", "PeakW
 #: allocations get. Peaks that differ by less than this are not told apart.
 ALLOCATOR_SLACK = 2 << 20
 
-#: A budget leaves this share of the step's peak unused (plus ``ALLOCATOR_SLACK``, and at
-#: least ``BUDGET_MARGIN_MIN``): kept tensors change which cached blocks later
-#: allocations get, and a peak read in one iteration is not the next one's to the byte.
-#: On workload D a share of 1/128 left 122 to 172 MiB of the last offloaded layer's room
-#: unused that 1/1024 filled, at the same measured peak and with no budget cut: 1.7 to
-#: 2.4% off the step at k=8 and 2.7 to 4.0% at k=4 (docs/benchmarks.md, "twenty-first").
+#: By default a budget leaves this share of the step's peak unused (plus
+#: ``ALLOCATOR_SLACK``, and at least ``BUDGET_MARGIN_MIN``): kept tensors change which
+#: cached blocks later allocations get, and a peak read in one iteration is not the next
+#: one's to the byte. The peak is the process's allocated bytes, weights included. On
+#: workload D, with five models' weights in one process, a share of 1/128 left 122 to 172
+#: MiB of the last offloaded layer's room unused that 1/1024 filled, at the same measured
+#: peak: 1.7 to 2.4% off the step at k=8 and 2.7 to 4.0% at k=4 (docs/benchmarks.md,
+#: "twenty-first"). With one model the margin falls from about 95 and 124 MiB to 16.
 BUDGET_MARGIN_SHARE = 1024
 BUDGET_MARGIN_MIN = 16 << 20
 
