@@ -74,6 +74,24 @@ def _in_backward_of(layer, action):
     return layer.register_forward_hook(hook)
 
 
+def _moved_with_the_peak_raised_in_layer(layer, layers, make, ref, ctx, sync, steps=4):
+    """Bytes moved per step while the forward of ``layer`` raises the stand-in's running
+    peak by 1 GiB each step, and how many times it did."""
+    transport = ctx.offload_synchronizer.transport
+    raises = []
+
+    def raise_peak():
+        raises.append(1)
+        transport.peak += 1 << 30
+
+    handle = _in_forward_of(layers[layer], raise_peak)
+    try:
+        moved = _moved_per_step(layers, make, ref, ctx, sync, steps)
+    finally:
+        handle.remove()
+    return moved, len(raises)
+
+
 def _moved_with_the_peak_after_every_window(layers, make, ref):
     """Four steps whose peak rises by 1 GiB when layer 0's backward begins: bytes moved
     per step, and the synchronizer."""
@@ -110,18 +128,8 @@ def test_bases_move_when_the_peak_falls_inside_the_windows():
     layers, make, ref = _gpt()
     transport = _PeakTransport()
     ctx, sync = _context(transport)
-    raises = []
-
-    def raise_peak():
-        raises.append(1)
-        transport.peak += 1 << 30
-
-    handle = _in_forward_of(layers[N - 1], raise_peak)
-    try:
-        moved = _moved_per_step(layers, make, ref, ctx, sync, 4)
-    finally:
-        handle.remove()
-    assert len(raises) == 4
+    moved, raises = _moved_with_the_peak_raised_in_layer(N - 1, layers, make, ref, ctx, sync)
+    assert raises == 4
     assert moved == [moved[0]] * 4
     assert ctx.offload_synchronizer.peak_watch.kept == set()
 
@@ -214,15 +222,7 @@ def test_a_memory_budget_keeps_what_fits_under_it(budget, keeps):
     ctx, sync = v2.get_cpu_offload_context(
         True, K, N, transport=transport, min_tensor_size_to_offload=256, memory_budget=budget
     )
-
-    def raise_peak():
-        transport.peak += 1 << 30
-
-    handle = _in_forward_of(layers[N - 1], raise_peak)
-    try:
-        moved = _moved_per_step(layers, make, ref, ctx, sync, 4)
-    finally:
-        handle.remove()
+    moved, _ = _moved_with_the_peak_raised_in_layer(N - 1, layers, make, ref, ctx, sync)
     watch = ctx.offload_synchronizer.peak_watch
     if keeps:
         assert moved[0] == moved[1] > 0 and moved[2] == moved[3] == 0
