@@ -18,12 +18,12 @@ Two kinds of bytes stay on the device that way, chosen in this order:
 * Any other units of the layer, up to a byte budget
   (``OffloadableLayerState.keep_budget``): the room its window has left, less a margin
   (``ALLOCATOR_SLACK`` plus ``1/margin_share`` of the peak, by default
-  ``1/BUDGET_MARGIN_SHARE``, at least ``BUDGET_MARGIN_MIN``). Only a unit that owns its whole storage is kept: keeping a
-  slice would keep the rest of its storage alive too, after the window as well. The
-  innermost windows (the layers released last and reloaded first) are served first:
-  their bytes are off the device for the shortest time, so each byte of room spares the
-  most link. A budget grows while room is left; the margin stops it short of filling
-  the room.
+  ``1/BUDGET_MARGIN_SHARE``, at least ``BUDGET_MARGIN_MIN``). Only a unit that owns its
+  whole storage is kept: keeping a slice would keep the rest of its storage alive too,
+  after the window as well. The innermost windows (the layers released last and
+  reloaded first) are served first: their bytes are off the device for the shortest
+  time, so each byte of room spares the most link. A budget grows while room is left;
+  the margin stops it short of filling the room.
 
 Where the peak falls is read, not modelled: the allocator keeps a running maximum of
 allocated memory. Read at each schedule point ``t``, it bounds the peak of the interval
