@@ -209,21 +209,17 @@ def margin_label(share: int) -> str:
     return f"ours, margin 1/{share}"
 
 
-def budgets_mib(model: Model) -> dict[int, float]:
-    """The byte budgets our peak watch gave the model's offloaded layers (MiB, nonzero)."""
+def watch_record(model: Model) -> dict[str, Any]:
+    """What our peak watch chose for the model's offloaded layers: their byte budgets
+    (MiB, nonzero), and the layers whose budgets it cut (capped) or whose kept view bases
+    it moved again (refused) because a later peak rose inside their windows."""
     watch = model.synchronizer().peak_watch
     if watch is None:
-        return {}
-    return {layer: b / 2**20 for layer, b in sorted(watch.budgets.items()) if b}
-
-
-def watch_cuts(model: Model) -> dict[str, list[int]]:
-    """The layers whose budgets our peak watch cut (capped), or whose kept view bases it
-    moved again (refused), because a later peak rose inside their windows."""
-    watch = model.synchronizer().peak_watch
-    if watch is None:
-        return {"capped": [], "refused": []}
-    return {"capped": sorted(watch.capped), "refused": sorted(watch.refused)}
+        return {"budgets_mib": {}, "cut": {"capped": [], "refused": []}}
+    return {
+        "budgets_mib": {layer: b / 2**20 for layer, b in sorted(watch.budgets.items()) if b},
+        "cut": {"capped": sorted(watch.capped), "refused": sorted(watch.refused)},
+    }
 
 
 def paired(num: Model, den: Model) -> dict[str, float]:
@@ -241,16 +237,19 @@ def run_k(
     want: tuple[torch.Tensor, list[torch.Tensor]],
     args: argparse.Namespace,
 ) -> dict[str, Any]:
-    models = [none, Model("ours", k, ours_fn)]
+    ours = Model("ours", k, ours_fn)
+    with_shares = []  # ours with another margin share each
     for share in args.margin_share_list:
-        models.append(Model(margin_label(share), k, ours_fn))
-        models[-1].margin_share = share
+        with_shares.append(Model(margin_label(share), k, ours_fn))
+        with_shares[-1].margin_share = share
+    te: Model | None = None
     te_bytes = 0  # what building one model allocates
     if te_fn is not None:
         torch.cuda.synchronize()
         te_bytes = -torch.cuda.memory_allocated()
-        models.append(Model("te", k, te_fn))
+        te = Model("te", k, te_fn)
         te_bytes += torch.cuda.memory_allocated()
+    models = [none, ours, *with_shares, *([te] if te is not None else [])]
     exact_ok = {m.label: bit_identical(m.first_step(tokens), want) for m in models[1:]}
     none.times, none.rounds, none.peak = [], [], 0
 
@@ -265,8 +264,8 @@ def run_k(
             warm_up(m)
         # TE's peak is read once its warm-up is done, as users train.
         budgeted: Model | None = None
-        if te_fn is not None and args.budget_te:
-            budgeted = budget_as_te(k, models[-1], tokens, args.warmup, te_bytes)
+        if te is not None and args.budget_te:
+            budgeted = budget_as_te(k, te, tokens, args.warmup, te_bytes)
     if budgeted is not None:
         exact_ok[budgeted.label] = bit_identical(budgeted.first_step(tokens), want)
         models.append(budgeted)
@@ -285,16 +284,13 @@ def run_k(
         }
         if m is not none:
             out[m.label]["x_none"] = paired(m, none)
-    ours = models[1]
-    te = next((m for m in models if m.label == "te"), None)
-    for m in models:
-        if m.label.startswith("ours"):
-            out[m.label]["budgets_mib"] = budgets_mib(m)
-            out[m.label]["cut"] = watch_cuts(m)
-        if m.margin_share is not None:
-            out[m.label]["over_ours"] = paired(m, ours)
-            if te is not None:
-                out[m.label]["over_te"] = paired(m, te)
+    for m in [ours, *with_shares, *([budgeted] if budgeted is not None else [])]:
+        out[m.label].update(watch_record(m))
+    for m in with_shares:
+        out[m.label]["over_ours"] = paired(m, ours)
+        if te is not None:
+            out[m.label]["over_te"] = paired(m, te)
+    out["margin_shares"] = args.margin_share_list
     if te is not None:
         out["ours_over_te"] = paired(ours, te)
     if budgeted is not None and te is not None:
@@ -302,7 +298,7 @@ def run_k(
         out["budget_weights_error_bytes"] = budgeted.weights_error
         out["ours_budget_over_te"] = paired(budgeted, te)
     # The offloading models (and their host buffers) go with their last references.
-    del models, m, budgeted, ours, te
+    del models, m, budgeted, ours, with_shares, te
     gc.collect()
     torch.cuda.empty_cache()
     empty_host = getattr(torch._C, "_host_emptyCache", None)
@@ -358,7 +354,7 @@ def markdown(
                 f"({b['x_none']['median']:.3f}) | {ot['median']:.3f} ({ot['min']:.3f} to "
                 f"{ot['max']:.3f}) | {b['peak_gib']:.2f} | {r['te']['peak_gib']:.2f} |"
             )
-    margins = [(r, label) for r in results for label in r if label.startswith("ours, margin")]
+    margins = [(r, margin_label(share)) for r in results for share in r.get("margin_shares", [])]
     if margins:
         lines += [
             "",
