@@ -44,7 +44,7 @@ def _gpt(dtype):
 class _Run:
     """Steps of one context: results, bytes moved and the requested-bytes peak of each."""
 
-    def __init__(self, layers, make, transport, extra=None) -> None:
+    def __init__(self, layers, make, transport, extra=None, defer: bool = True) -> None:
         ctx, sync = v2.get_cpu_offload_context(
             True, K, N, transport=transport, min_tensor_size_to_offload=1024
         )
@@ -63,6 +63,9 @@ class _Run:
                 self.results.append(step(layers, make, ctx, sync))
                 self.requested.append(torch.cuda.memory_stats()["requested_bytes.all.peak"] - base)
                 self.moved.append(transport.bytes_offloaded - before)
+                watch = ctx.offload_synchronizer.peak_watch
+                if watch is not None:  # made at the end of the first step
+                    watch.defer = defer
         finally:
             for h in handles:
                 h.remove()
@@ -188,3 +191,22 @@ def test_a_memory_budget_keeps_what_fits_under_it_and_holds(deterministic):
         + sum(s.view_base_bytes for s in states if s.keep_view_bases)
         == moved[0] - kept_moved[-1]
     )
+
+
+def test_releases_deferred_into_a_window_s_first_interval_raise_no_peak(deterministic):
+    """With the step's peak inside both windows (in the last layer's forward), layer 0's
+    first interval (the forward of layer 4) still has room: its bytes are released one
+    point late, at the same bytes moved, bit-exact, and no higher a peak than releasing
+    them on time."""
+    layers, make = _gpt(torch.bfloat16)
+    ref = step(layers, make)
+    deferring = _Run(layers, make, CudaTransport(), _peak_inside_windows)
+    on_time = _Run(layers, make, CudaTransport(), _peak_inside_windows, defer=False)
+    first, second = deferring.sync.layers[0], deferring.sync.layers[1]
+    assert first.deferred_bytes == first.moved_bytes > 0
+    assert second.deferred_bytes == 0  # its first interval holds the peak
+    assert on_time.sync.layers[0].deferred_bytes == 0
+    assert deferring.moved == on_time.moved == [deferring.moved[0]] * STEPS
+    for got in deferring.results:
+        assert_bit_equal(ref, got)
+    _assert_no_higher(deferring, on_time)

@@ -95,6 +95,14 @@ class OffloadableLayerState:
         #: In the last offload: bytes the budget kept, and bytes moved.
         self.budget_kept_bytes = 0
         self.moved_bytes = 0
+        #: Bytes of its moved units, the last ones copied, whose device memory the layer
+        #: releases one schedule point late, at :meth:`release_deferred` (NOTE [Bytes
+        #: that pay]); read at each :meth:`start_offload`.
+        self.defer_budget = 0
+        #: In the last offload: bytes whose release was deferred.
+        self.deferred_bytes = 0
+        #: Indices (into the plan's units) of the deferred units not yet released.
+        self._late: list[int] = []
 
     # -- bookkeeping -----------------------------------------------------------------
 
@@ -171,6 +179,7 @@ class OffloadableLayerState:
         if not self._entries:  # nothing saved: nothing to group, buffer or copy
             self._plan = GroupPlan()
             self.view_base_bytes = self.budget_kept_bytes = self.moved_bytes = 0
+            self.deferred_bytes = 0
             self.phase = LayerPhase.OFFLOAD_STARTED
             return
         for entry in self._entries:
@@ -195,8 +204,13 @@ class OffloadableLayerState:
             unit.host_view = HostBufferPool.view(buf, unit.layout)  # made once, used twice
             assert unit.tensor is not None
             copies.append((unit.tensor, unit.ready, unit.host_view))
-        # All copies of the layer in one call: one stream switch, not one per tensor.
-        events = self.transport.offload_all(copies)
+        split = self._defer_tail(plan, moved)
+        # All copies of the layer in one call: one stream switch, not one per tensor. A
+        # deferred tail gets a call (and a completion event) of its own, so that the
+        # release at the layer's point waits only for the copies before it.
+        events = self.transport.offload_all(copies[:split])
+        if split < len(copies):
+            events += self.transport.offload_all(copies[split:])
         for unit, event in zip(moved, events, strict=True):
             unit.copied = event
         # Every wait on the save events is queued: NOTE [Recycled save events].
@@ -209,6 +223,21 @@ class OffloadableLayerState:
         self.transport.recycle(ready)
         if _log.debug_enabled():
             self._log_offload(plan)
+
+    def _defer_tail(self, plan: GroupPlan, moved: list[Unit]) -> int:
+        """Defer the release of the last moved units within ``defer_budget`` bytes.
+
+        Returns:
+            How many of ``moved`` (in copy order) are released at the layer's point.
+        """
+        split, deferred = len(moved), 0
+        while split > 0 and deferred + moved[split - 1].nbytes <= self.defer_budget:
+            split -= 1
+            deferred += moved[split].nbytes
+        self.deferred_bytes = deferred
+        late = {id(u) for u in moved[split:]}
+        self._late = [i for i, u in enumerate(plan.units) if id(u) in late] if late else []
+        return split
 
     def _log_offload(self, plan: GroupPlan) -> None:
         for unit in plan.units:
@@ -262,23 +291,63 @@ class OffloadableLayerState:
             RuntimeError: Unless called in state ``offload_started``.
         """
         self._expect("release_activation_forward_gpu_memory", LayerPhase.OFFLOAD_STARTED)
-        assert self._plan is not None
+        plan = self._plan
+        assert plan is not None
+        if not self._late:
+            self._drop(range(len(plan.units)), range(len(self._entries)))
+        else:
+            late = set(self._late)
+            early = [i for i in range(len(plan.units)) if i not in late]
+            self._drop(early, self._entries_using(late, False))
+        self.phase = LayerPhase.OFFLOAD_FINISHED
+
+    def release_deferred(self) -> None:
+        """Release the device memory whose release :meth:`release_activation_forward_gpu_memory`
+        deferred (``defer_budget``): the current stream waits for those copies first.
+
+        Does nothing where nothing is deferred. Called one schedule point after the
+        layer's release, and by :meth:`start_reload` if not called before.
+
+        Raises:
+            RuntimeError: Where something is deferred, unless called in state
+                ``offload_finished``.
+        """
+        if not self._late:
+            return
+        self._expect("release_deferred", LayerPhase.OFFLOAD_FINISHED)
+        self._drop(self._late, self._entries_using(set(self._late), True))
+        self._late = []
+
+    def _entries_using(self, units: set[int], using: bool) -> list[int]:
+        """The pushed entries rebuilt from any of ``units`` (``using``), or from none."""
+        plan = self._plan
+        assert plan is not None
+        return [
+            i for i, ref in enumerate(plan.refs) if units.isdisjoint(plan.unit_ids(ref)) != using
+        ]
+
+    def _drop(self, units: Iterable[int], entries: Iterable[int]) -> None:
+        """Wait for the copies of ``units`` and drop their device tensors, and those of
+        the pushed ``entries`` (indices)."""
+        plan = self._plan
+        assert plan is not None
         waited: object | None = None
-        for unit in self._plan.units:
+        for u in units:
+            unit = plan.units[u]
             if unit.copied is not waited:  # copies queued together share one event
                 self.transport.wait(unit.copied)
                 waited = unit.copied
             unit.tensor = None
         # The pushed entries are the last references to the offloaded device memory.
-        for i, entry in enumerate(self._entries):
+        for i in entries:
+            entry = self._entries[i]
             if entry.tensor._version != entry.version:
                 # Changed in place while its copy ran: keep it, so backward fails as
                 # it would without offloading instead of using either version.
-                self._plan.keep(i, entry.tensor)
+                plan.keep(i, entry.tensor)
                 continue
             entry.weak = weakref.ref(entry.tensor)
             entry.tensor = None  # type: ignore[assignment]
-        self.phase = LayerPhase.OFFLOAD_FINISHED
 
     # -- backward --------------------------------------------------------------------
 
@@ -293,6 +362,7 @@ class OffloadableLayerState:
             RuntimeError: Unless called in state ``offload_finished``.
         """
         self._expect("start_reload", LayerPhase.OFFLOAD_FINISHED)
+        self.release_deferred()  # a reload reads what the copies out wrote
         plan = self._plan
         assert plan is not None
         # Kept units never left; the moved ones go back in the order backward reads them
@@ -456,6 +526,7 @@ class OffloadableLayerState:
                 unit.returned.clear()
         self._plan = None
         self._entries = []
+        self._late = []
         self.phase = LayerPhase.NOT_OFFLOADED
 
     # -- reporting -------------------------------------------------------------------

@@ -25,6 +25,16 @@ Two kinds of bytes stay on the device that way, chosen in this order:
   time, so each byte of room spares the most link. A budget grows while room is left;
   the margin stops it short of filling the room.
 
+Room left after both, in the first interval of a window, goes to a *deferral*
+(``OffloadableLayerState.defer_budget``): the last units the layer copies out, whose
+device memory it releases at the point after its own (``release_deferred``) instead of
+at it. They are still copied both ways; only the release waits. At the release point
+the compute stream then waits for fewer copies, and the copy stream goes on while the
+next layer computes: where copies out bound the step (many layers offloaded, the last
+ones released just before the backward), the forward no longer stalls for bytes whose
+memory the peak does not need yet. Deferred bytes raise only that one interval, so they
+need room only there, less the same margin.
+
 Where the peak falls is read, not modelled: the allocator keeps a running maximum of
 allocated memory. Read at each schedule point ``t``, it bounds the peak of the interval
 that ends there: ``r[t] >= peak of (t - 1, t]``. With ``P`` the running maximum at the
@@ -46,8 +56,8 @@ iteration that sets a new peak (the first ones of a process, or any iteration af
 caller resets the peak statistics, as benchmarks do). If a later iteration's peak rises
 inside the window of a layer that keeps its bases, above the peak it was chosen under,
 that layer moves them again from the next iteration on, and is not chosen again; a layer
-whose budget was in force there has it cut by the rise plus the margin, and it never
-grows again. Allocated bytes count whole allocator blocks, so both tests leave a margin
+whose budget (or deferral, for a rise in its window's first interval) was in force there
+has it cut by the rise plus the margin, and it never grows again. Allocated bytes count whole allocator blocks, so both tests leave a margin
 for rounding (``ALLOCATOR_SLACK``).
 """
 
@@ -105,8 +115,8 @@ class Window:
 
 class PeakWatch:
     """Reads the running peak at an iteration's schedule points and chooses what each
-    offloaded layer keeps on the device: its view bases, and a byte budget of its other
-    units (NOTE [Bytes that pay]).
+    offloaded layer keeps on the device: its view bases, a byte budget of its other
+    units, and the bytes whose release waits one point (NOTE [Bytes that pay]).
 
     Args:
         read_peak: The allocator's running peak of allocated bytes; None where the
@@ -119,6 +129,7 @@ class PeakWatch:
             the step's own peak (0: the step's own peak).
         margin_share: A budget leaves ``1/margin_share`` of the peak unused (at least
             ``BUDGET_MARGIN_MIN``), plus ``slack``.
+        defer: Give layers deferrals (releases one point late) where room is left.
 
     Raises:
         ValueError: If ``windows`` is empty or one ends at or after ``points``,
@@ -140,6 +151,7 @@ class PeakWatch:
         slack: int = ALLOCATOR_SLACK,
         budget: int = 0,
         margin_share: int = BUDGET_MARGIN_SHARE,
+        defer: bool = True,
     ) -> None:
         if budget < 0:
             raise ValueError(f"budget must be >= 0 (bytes), got {budget}")
@@ -174,6 +186,9 @@ class PeakWatch:
         self.budgets: dict[int, int] = {}
         #: Layers whose budget raised the peak once: it is cut and never grows again.
         self.capped: set[int] = set()
+        #: Per layer, the bytes of moved units whose release waits one point.
+        self.deferrals: dict[int, int] = {}
+        self.defer = defer
         #: The last iteration had nothing to judge (no layer kept or moved a byte): the
         #: next one reads nothing, since each read costs the host microseconds.
         self.idle = False
@@ -185,11 +200,14 @@ class PeakWatch:
         it, out of memory say) ends the kept layers' keeping for good: the memory they
         held may have been what was missing.
         """
-        if self._start is not None and (self.kept or any(self.budgets.values())):
+        if self._start is not None and (
+            self.kept or any(self.budgets.values()) or any(self.deferrals.values())
+        ):
             self.refused |= self.kept
             self.kept = set()
-            self.capped |= set(self.budgets)
+            self.capped |= set(self.budgets) | set(self.deferrals)
             self.budgets = {}
+            self.deferrals = {}
         if self.idle:
             self._start = None
             return
@@ -209,6 +227,7 @@ class PeakWatch:
         self,
         candidate_bytes: Mapping[int, int],
         unit_bytes: Mapping[int, tuple[int, int]] | None = None,
+        deferred_bytes: Mapping[int, int] | None = None,
     ) -> set[int]:
         """End the iteration (at the end of its backward) and choose again.
 
@@ -217,6 +236,8 @@ class PeakWatch:
                 iteration, kept or moved.
             unit_bytes: Per offloaded layer, the bytes of its other units in this
                 iteration: those its budget kept, and those moved. None: no budgets.
+            deferred_bytes: Per offloaded layer, the bytes whose release waited one
+                point in this iteration. None: no deferrals (needs ``unit_bytes``).
 
         Returns:
             The layers that keep their view bases from the next iteration on (their
@@ -228,6 +249,7 @@ class PeakWatch:
         self.idle = not (
             self.kept
             or any(self.budgets.values())
+            or any(self.deferrals.values())
             or any(candidate_bytes.values())
             or (unit_bytes is not None and any(k or m for k, m in unit_bytes.values()))
         )
@@ -240,7 +262,12 @@ class PeakWatch:
         # The peak the choice may fill up to (NOTE [Bytes that pay]).
         ceiling = max(peak, self.budget)
         budgeted = {layer for layer, nbytes in self.budgets.items() if nbytes > 0}
-        if (self.kept or budgeted) and peak > start and peak > self._chosen_peak + self.slack:
+        deferring = {layer for layer, nbytes in self.deferrals.items() if nbytes > 0}
+        if (
+            (self.kept or budgeted or deferring)
+            and peak > start
+            and peak > self._chosen_peak + self.slack
+        ):
             # A new peak, above the one the choice was made under: where did it fall?
             at = next((p for p, m in enumerate(marks) if m is not None and m >= peak), None)
 
@@ -249,13 +276,16 @@ class PeakWatch:
 
             harmed = {layer for layer in self.kept if inside(layer)}
             cut = {layer for layer in budgeted if inside(layer)}
-            if harmed or cut:
+            late = {layer for layer in deferring if at == self.windows[layer].start + 1}
+            if harmed or cut or late:
                 self.kept -= harmed
                 self.refused |= harmed
                 rise = peak - self._chosen_peak + self._margin(peak)
                 for layer in cut:
                     self.budgets[layer] = max(0, self.budgets[layer] - rise)
-                self.capped |= cut
+                for layer in late:
+                    self.deferrals[layer] = max(0, self.deferrals[layer] - rise)
+                self.capped |= cut | late
                 return self.kept
         used = [0] * len(marks)
         for layer in sorted(candidate_bytes):
@@ -273,6 +303,8 @@ class PeakWatch:
                 self._chosen_peak = max(self._chosen_peak, ceiling)
         if unit_bytes is not None:
             self._grow_budgets(ceiling, marks, used, unit_bytes)  # type: ignore[arg-type]
+            if deferred_bytes is not None and self.defer:
+                self._grow_deferrals(ceiling, marks, used, unit_bytes, deferred_bytes)  # type: ignore[arg-type]
         return self.kept
 
     def _margin(self, peak: int) -> int:
@@ -311,3 +343,32 @@ class PeakWatch:
             if unfilled > 0:
                 for p in span:
                     used[p] += unfilled
+
+    def _grow_deferrals(
+        self,
+        peak: int,
+        marks: Sequence[int],
+        used: list[int],
+        unit_bytes: Mapping[int, tuple[int, int]],
+        deferred_bytes: Mapping[int, int],
+    ) -> None:
+        """Give each layer's deferral the room left, after the budgets, in the one
+        interval its deferred bytes stay for: the first of its window.
+
+        As for budgets, a new deferral is what was deferred in this iteration plus the
+        room (read with those bytes on the device), at most the bytes moved.
+        """
+        margin = self._margin(peak)
+        for window in self.windows.values():
+            layer = window.layer
+            if layer in self.capped:
+                continue
+            p = window.start + 1
+            deferred = deferred_bytes.get(layer, 0)
+            moved = unit_bytes.get(layer, (0, 0))[1]
+            grown = min(deferred + max(peak - marks[p] - used[p] - margin, 0), moved)
+            if grown > self.deferrals.get(layer, 0):
+                self._chosen_peak = max(self._chosen_peak, peak)
+            self.deferrals[layer] = grown
+            if grown > deferred:
+                used[p] += grown - deferred

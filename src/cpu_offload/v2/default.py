@@ -1,8 +1,9 @@
 """The default synchronizer: each layer's tensors move at the points of a schedule.
 
 :class:`DefaultOffloadSynchronizer` follows the default k-of-n rule, or a validated
-``synchronization_dict``, and on the default rule keeps on the device the bytes that
-would lower no peak (NOTE [Bytes that pay] in ``engine/peak_watch.py``).
+``synchronization_dict``, keeps on the device the bytes that would lower no peak, and
+releases a layer's last copies one point late where the room allows (NOTE [Bytes that
+pay] in ``engine/peak_watch.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from .schedule import (
 from .synchronizer import OffloadSynchronizer
 
 __all__ = ["DefaultOffloadSynchronizer"]
+
+#: The work due at one point: deferred releases, releases, reloads (layer ids).
+_Work = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 
 
 class DefaultOffloadSynchronizer(OffloadSynchronizer):
@@ -93,9 +97,6 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
         # iteration, so plain lists rather than dictionaries keyed by Point objects.
         n = num_layers
         self._offloaded = [i in self.schedule.offloaded for i in range(n)]
-        at_forward = [self._work_at(Point(True, i)) for i in range(n)]
-        at_backward = [self._work_at(Point(False, i)) for i in range(n)]
-        self._at_forward, self._at_backward = at_forward, at_backward
         # A layer reloaded at the very point its memory is released is never off the
         # device: it has no window.
         spans = {
@@ -107,6 +108,14 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
             for layer, (start, end) in sorted(spans.items())
             if start < end
         ]
+        # A layer's deferred bytes go at the point after its release (NOTE [Bytes that
+        # pay]), before any other work there: a reload may start at that very point.
+        self._late_at: dict[Point, list[int]] = {}
+        for w in self._windows:
+            self._late_at.setdefault(Point.at(w.start + 1, n), []).append(w.layer)
+        at_forward = [self._work_at(Point(True, i)) for i in range(n)]
+        at_backward = [self._work_at(Point(False, i)) for i in range(n)]
+        self._at_forward, self._at_backward = at_forward, at_backward
         #: Made at the end of the first iteration, if the allocator keeps a running peak.
         self.peak_watch: PeakWatch | None = None
         #: What the error for a wrong number of layer forwards says after "but ": a
@@ -154,6 +163,7 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
                 i: (layer.budget_kept_bytes, layer.moved_bytes)
                 for i, layer in zip(offloaded, layers, strict=True)
             },
+            {i: layer.deferred_bytes for i, layer in zip(offloaded, layers, strict=True)},
         )
         self._keep(self.peak_watch)
 
@@ -164,11 +174,13 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
             layer = self.layers[window.layer]
             layer.keep_view_bases = window.layer in watch.kept and not capturing
             layer.keep_budget = 0 if capturing else watch.budgets.get(window.layer, 0)
+            layer.defer_budget = 0 if capturing else watch.deferrals.get(window.layer, 0)
 
-    def _work_at(self, point: Point) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    def _work_at(self, point: Point) -> _Work | None:
+        late = tuple(self._late_at.get(point, ()))
         finish = tuple(self.schedule.finish_at.get(point, ()))
         reload = tuple(self.schedule.reload_at.get(point, ()))
-        return (finish, reload) if finish or reload else None
+        return (late, finish, reload) if late or finish or reload else None
 
     def _check_forward_count(self) -> None:
         if self._forwards == self.num_layers:
@@ -204,8 +216,11 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
     def _pushes_to(self, layer_id: int) -> bool:
         return self._offloaded[layer_id]
 
-    def _run_point(self, work: tuple[tuple[int, ...], tuple[int, ...]]) -> None:
-        finish, reload = work
+    def _run_point(self, work: _Work) -> None:
+        late, finish, reload = work
+        for layer in late:
+            if self.layers[layer].phase is LayerPhase.OFFLOAD_FINISHED:
+                self.layers[layer].release_deferred()
         for layer in finish:
             state = self.layers[layer]
             if state.phase is LayerPhase.NOT_OFFLOADED and state.has_tensors:

@@ -45,6 +45,13 @@ class Point:
         """Order in a plain iteration: forwards 0..n-1, then backwards n-1..0."""
         return self.layer if self.forward else num_layers + (num_layers - 1 - self.layer)
 
+    @classmethod
+    def at(cls, position: int, num_layers: int) -> Point:
+        """The point at ``position`` (the inverse of :meth:`position`)."""
+        if position < num_layers:
+            return cls(True, position)
+        return cls(False, 2 * num_layers - 1 - position)
+
     def __str__(self) -> str:
         return f"{'forward' if self.forward else 'backward'} of layer {self.layer}"
 
