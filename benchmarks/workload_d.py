@@ -28,10 +28,13 @@ under the budget and move only the rest).
 
 With ``--margin-shares S,...`` one more model of ours takes part per ``S``: the same
 context, whose peak watch leaves ``1/S`` of the peak unused in its byte budgets instead
-of the default share (``BUDGET_MARGIN_SHARE``), to compare margins side by side.
+of the default share (``BUDGET_MARGIN_SHARE``), to compare margins side by side. With
+``--without-deferral`` one more takes part whose peak watch defers no release (the
+schedule before deferrals, NOTE [Bytes that pay]).
 
     python benchmarks/workload_d.py --te .te/ref --ks 2,4,8 --json d.json --markdown d.md
     python benchmarks/workload_d.py --te .te/ref --ks 4,8 --margin-shares 128
+    python benchmarks/workload_d.py --te .te/ref --ks 2,4,8 --without-deferral
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ from cpu_offload.megatron import use_with_megatron_core
 DIMS = dict(layers=16, hidden=2048, heads=16, seq=2048, batch=2)
 TE_FILE = Path("_te_ref") / "pytorch" / "cpu_offload.py"
 BUDGET_LABEL = "ours, TE's peak as memory_budget"
+NO_DEFERRAL_LABEL = "ours, nothing deferred"
 
 
 def load_te(folder: Path) -> Callable[..., Any]:
@@ -123,6 +127,7 @@ class Model:
         self.budget = 0  # memory_budget given to our context, if any (bytes)
         self.weights_error = 0  # allocated after building, less what the budget assumed
         self.margin_share: int | None = None  # the peak watch's, where not the default
+        self.defer = True  # the peak watch defers releases where room is left
 
     def synchronizer(self) -> Any:
         """The synchronizer of our context in this model (its decoder's offload context)."""
@@ -132,14 +137,17 @@ class Model:
                 return sync
         raise RuntimeError(f"{self.label}: no offload context of ours in the model")
 
-    def set_margin_share(self) -> None:
-        """Give the peak watch its margin share (made at the end of the first step)."""
-        if self.margin_share is None:
+    def configure_watch(self) -> None:
+        """Give the peak watch (made at the end of the first step) this model's margin
+        share and deferral setting, where not the defaults."""
+        if self.margin_share is None and self.defer:
             return
         watch = self.synchronizer().peak_watch
         if watch is None:
             raise RuntimeError(f"{self.label}: no peak watch after a step (nothing offloaded?)")
-        watch.margin_share = self.margin_share
+        if self.margin_share is not None:
+            watch.margin_share = self.margin_share
+        watch.defer = self.defer
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         self.module.zero_grad(set_to_none=True)
@@ -210,14 +218,19 @@ def margin_label(share: int) -> str:
 
 
 def watch_record(model: Model) -> dict[str, Any]:
-    """What our peak watch chose for the model's offloaded layers: their byte budgets
-    (MiB, nonzero), and the layers whose budgets it cut (capped) or whose kept view bases
-    it moved again (refused) because a later peak rose inside their windows."""
+    """What our peak watch chose for the model's offloaded layers: their byte budgets and
+    deferrals (MiB, nonzero), and the layers whose budgets it cut (capped) or whose kept
+    view bases it moved again (refused) because a later peak rose inside their windows."""
     watch = model.synchronizer().peak_watch
     if watch is None:
-        return {"budgets_mib": {}, "cut": {"capped": [], "refused": []}}
+        return {"budgets_mib": {}, "deferrals_mib": {}, "cut": {"capped": [], "refused": []}}
+
+    def mib(per_layer: dict[int, int]) -> dict[int, float]:
+        return {layer: b / 2**20 for layer, b in sorted(per_layer.items()) if b}
+
     return {
-        "budgets_mib": {layer: b / 2**20 for layer, b in sorted(watch.budgets.items()) if b},
+        "budgets_mib": mib(watch.budgets),
+        "deferrals_mib": mib(watch.deferrals),
         "cut": {"capped": sorted(watch.capped), "refused": sorted(watch.refused)},
     }
 
@@ -238,10 +251,13 @@ def run_k(
     args: argparse.Namespace,
 ) -> dict[str, Any]:
     ours = Model("ours", k, ours_fn)
-    with_shares = []  # ours with another margin share each
+    variants = []  # ours with other peak-watch settings: a margin share each, no deferral
     for share in args.margin_share_list:
-        with_shares.append(Model(margin_label(share), k, ours_fn))
-        with_shares[-1].margin_share = share
+        variants.append(Model(margin_label(share), k, ours_fn))
+        variants[-1].margin_share = share
+    if args.without_deferral:
+        variants.append(Model(NO_DEFERRAL_LABEL, k, ours_fn))
+        variants[-1].defer = False
     te: Model | None = None
     te_bytes = 0  # what building one model allocates
     if te_fn is not None:
@@ -249,12 +265,12 @@ def run_k(
         te_bytes = -torch.cuda.memory_allocated()
         te = Model("te", k, te_fn)
         te_bytes += torch.cuda.memory_allocated()
-    models = [none, ours, *with_shares, *([te] if te is not None else [])]
+    models = [none, ours, *variants, *([te] if te is not None else [])]
     exact_ok = {m.label: bit_identical(m.first_step(tokens), want) for m in models[1:]}
     none.times, none.rounds, none.peak = [], [], 0
 
     def warm_up(m: Model) -> None:
-        m.set_margin_share()  # its first step (the exactness check) made the peak watch
+        m.configure_watch()  # its first step (the exactness check) made the peak watch
         for _ in range(args.warmup):
             m.step(tokens)
         m.module.zero_grad(set_to_none=True)
@@ -284,13 +300,14 @@ def run_k(
         }
         if m is not none:
             out[m.label]["x_none"] = paired(m, none)
-    for m in [ours, *with_shares, *([budgeted] if budgeted is not None else [])]:
+    for m in [ours, *variants, *([budgeted] if budgeted is not None else [])]:
         out[m.label].update(watch_record(m))
-    for m in with_shares:
+    for m in variants:
         out[m.label]["over_ours"] = paired(m, ours)
         if te is not None:
             out[m.label]["over_te"] = paired(m, te)
     out["margin_shares"] = args.margin_share_list
+    out["variants"] = [m.label for m in variants]
     if te is not None:
         out["ours_over_te"] = paired(ours, te)
     if budgeted is not None and te is not None:
@@ -298,7 +315,7 @@ def run_k(
         out["budget_weights_error_bytes"] = budgeted.weights_error
         out["ours_budget_over_te"] = paired(budgeted, te)
     # The offloading models (and their host buffers) go with their last references.
-    del models, m, budgeted, ours, with_shares, te
+    del models, m, budgeted, ours, variants, te
     gc.collect()
     torch.cuda.empty_cache()
     empty_host = getattr(torch._C, "_host_emptyCache", None)
@@ -354,25 +371,30 @@ def markdown(
                 f"({b['x_none']['median']:.3f}) | {ot['median']:.3f} ({ot['min']:.3f} to "
                 f"{ot['max']:.3f}) | {b['peak_gib']:.2f} | {r['te']['peak_gib']:.2f} |"
             )
-    margins = [(r, margin_label(share)) for r in results for share in r.get("margin_shares", [])]
-    if margins:
+    rows = [
+        (r, label)
+        for r in results
+        for label in r.get("variants", [margin_label(s) for s in r.get("margin_shares", [])])
+    ]
+    if rows:
         lines += [
             "",
-            "Our context with another margin share in its byte budgets (the same rounds; "
-            f"the default is 1/{BUDGET_MARGIN_SHARE}):",
+            "Our context with other settings of its peak watch (the same rounds; by default "
+            f"a margin of 1/{BUDGET_MARGIN_SHARE}, and deferrals):",
             "",
             "| k | model | ms (x none) | / ours (range) | "
             + ("/ TE (range) | " if te else "")
-            + "peak GiB | ours peak GiB | budgets MiB | ours' budgets MiB |",
-            "|---:|---|---:|---:|" + ("---:|" if te else "") + "---:|---:|---|---|",
+            + "peak GiB | ours peak GiB | budgets MiB | ours' budgets MiB | ours' deferrals MiB |",
+            "|---:|---|---:|---:|" + ("---:|" if te else "") + "---:|---:|---|---|---|",
         ]
-        for r, label in margins:
+        for r, label in rows:
             m = r[label]
             row = [str(r["k"]), label, f"{m['median_ms']:.1f} ({m['x_none']['median']:.3f})"]
             ratios = [m["over_ours"]] + ([m["over_te"]] if te else [])
             row += [f"{x['median']:.3f} ({x['min']:.3f} to {x['max']:.3f})" for x in ratios]
             row += [f"{m['peak_gib']:.2f}", f"{r['ours']['peak_gib']:.2f}"]
             row += [_budgets(m["budgets_mib"]), _budgets(r["ours"]["budgets_mib"])]
+            row.append(_budgets(r["ours"].get("deferrals_mib", {})))
             lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 
@@ -396,6 +418,11 @@ def main() -> int:
         default="",
         help="also run ours with its peak watch leaving 1/S of the peak unused in its byte "
         f"budgets, one model per comma-separated S (default share 1/{BUDGET_MARGIN_SHARE})",
+    )
+    p.add_argument(
+        "--without-deferral",
+        action="store_true",
+        help="also run ours with a peak watch that defers no release",
     )
     p.add_argument("--ks", default="2,4,8", help="layers offloaded, comma-separated")
     p.add_argument("--rounds", type=int, default=5)
@@ -454,10 +481,11 @@ def main() -> int:
             text += (f"; {BUDGET_LABEL} ({r['budget_gib']:.2f} GiB) "
                      f"{r[BUDGET_LABEL]['median_ms']:.1f} ms, / TE {ob['median']:.3f}, peak "
                      f"{r[BUDGET_LABEL]['peak_gib']:.2f} GiB")  # fmt: skip
-        for share in args.margin_share_list:
-            m = r[margin_label(share)]
-            text += (f"; margin 1/{share} {m['median_ms']:.1f} ms, / ours "
+        for label in r["variants"]:
+            m = r[label]
+            text += (f"; {label} {m['median_ms']:.1f} ms, / ours "
                      f"{m['over_ours']['median']:.3f}, peak {m['peak_gib']:.2f} GiB")  # fmt: skip
+        text += f"; ours' deferrals MiB {_budgets(r['ours']['deferrals_mib'])}"
         print(text, r["exact"], flush=True)
     handle.remove()
     text = markdown(results, device, gbps, te_fn is not None)
