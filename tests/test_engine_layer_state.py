@@ -192,7 +192,7 @@ def test_retained_buffers_keep_their_addresses():
     transport = HostTransport()
     state = OffloadableLayerState(None, retain_pinned_cpu_buffers=True, transport=transport)
     _iteration(state, _tensors(0))
-    retained = list(state._retained)
+    retained = list(state._buffers.retained)
     assert len(retained) == 3
     ptrs = [b.data_ptr() for b in retained]
     # Retained buffers stay with the layer: the pool does not get them back.
@@ -208,7 +208,7 @@ def test_retained_buffers_keep_their_addresses():
         for t, i in zip(tensors, ids, strict=True):
             assert torch.equal(state.pop_tensor(i), t)  # this iteration's values
         state.release_all_memory()
-        assert [b.data_ptr() for b in state._retained] == ptrs
+        assert [b.data_ptr() for b in state._buffers.retained] == ptrs
     assert transport.pool.allocations == 3
 
 

@@ -125,11 +125,11 @@ def test_retained_buffers_bit_exact_and_fixed():
     ctx, sync = _ctx(2, retain_pinned_cpu_buffers=True)
     layer0 = ctx.offload_synchronizer.layers[0]
     assert_bit_equal(ref, step(layers, make, ctx, sync))
-    ptrs = [b.data_ptr() for b in layer0._retained]
+    ptrs = [b.data_ptr() for b in layer0._buffers.retained]
     assert ptrs
     for _ in range(2):
         assert_bit_equal(ref, step(layers, make, ctx, sync))
-        assert [b.data_ptr() for b in layer0._retained] == ptrs
+        assert [b.data_ptr() for b in layer0._buffers.retained] == ptrs
 
 
 def test_retained_buffers_shape_change_fails_cleanly():

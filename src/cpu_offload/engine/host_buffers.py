@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from .._compat import pinned_alloc_in_capture_supported
 from .layout import TensorLayout
 
-__all__ = ["HostBufferPool"]
+__all__ = ["HostBufferPool", "LayerHostBuffers"]
 
 
 class HostBufferPool:
@@ -78,3 +79,64 @@ class HostBufferPool:
         if buffer.numel() % layout.dtype.itemsize:
             buffer = buffer[: layout.nbytes]
         return buffer.view(layout.dtype).as_strided(layout.size, layout.stride)
+
+
+class LayerHostBuffers:
+    """The host buffers of one layer's offloaded units, and whose they are.
+
+    From the pool each iteration by default. With ``retain`` the layer holds its buffers
+    at fixed addresses across iterations (CUDA graphs before PyTorch 2.11), so the saved
+    tensors must keep their sizes. Buffers taken while a CUDA graph is captured belong
+    to the graph, which copies to their addresses at every replay: they never go back to
+    the pool.
+
+    Args:
+        retain: Hold the buffers across iterations (``retain_pinned_cpu_buffers``).
+        name: The layer's name, for errors.
+    """
+
+    def __init__(self, retain: bool, name: str) -> None:
+        self.retain = retain
+        self.name = name
+        self.retained: list[torch.Tensor] = []
+        self._retained_sizes: list[int] = []
+        self._captured: list[torch.Tensor] = []
+
+    def acquire(
+        self, pool: HostBufferPool, sizes: list[int], capturing: bool
+    ) -> list[torch.Tensor]:
+        """Buffers for units of ``sizes`` bytes, in order.
+
+        Raises:
+            RuntimeError: With ``retain``, when the sizes differ from the retained
+                buffers', or when the first buffers would be taken during a capture on
+                PyTorch < 2.11.
+        """
+        if not self.retain:
+            buffers = [pool.acquire(n) for n in sizes]
+            if capturing:
+                self._captured.extend(buffers)
+            return buffers
+        if not self.retained:
+            if capturing and not pinned_alloc_in_capture_supported():
+                raise RuntimeError(
+                    f"{self.name} has no retained host buffers yet: with "
+                    "retain_pinned_cpu_buffers=True, run one eager (warm-up) iteration before "
+                    "capturing a CUDA graph, so that the buffers exist before the capture "
+                    "(PyTorch < 2.11 cannot allocate pinned memory during capture)"
+                )
+            self.retained = [pool.acquire(n) for n in sizes]
+            self._retained_sizes = sizes
+            return self.retained
+        if sizes != self._retained_sizes:
+            raise RuntimeError(
+                f"retain_pinned_cpu_buffers=True needs the same saved tensors every "
+                f"iteration, but {self.name} now saves blocks of {sizes} bytes where its "
+                f"retained host buffers hold {self._retained_sizes} bytes. Keep shapes fixed, "
+                "or create the offload context with retain_pinned_cpu_buffers=False."
+            )
+        return self.retained
+
+    def returns_to_pool(self, buffer: torch.Tensor) -> bool:
+        """Whether ``buffer`` goes back to the pool when the layer releases it."""
+        return not self.retain and not any(buffer is b for b in self._captured)

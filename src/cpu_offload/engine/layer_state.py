@@ -9,11 +9,11 @@ from collections.abc import Callable, Hashable, Iterable
 import torch
 
 from .. import _log
-from .._compat import pinned_alloc_in_capture_supported
+from .host_buffers import HostBufferPool, LayerHostBuffers
 from .layout import TensorLayout
 from .reload_order import ReadOrder
 from .tensor_group import GroupPlan, SavedEntry, TensorGroupProcessor, Unit
-from .transport import HostBufferPool, Transport, resolve_transport
+from .transport import Transport, resolve_transport
 
 __all__ = ["LayerPhase", "OffloadableLayerState"]
 
@@ -77,9 +77,7 @@ class OffloadableLayerState:
         self.phase = LayerPhase.NOT_OFFLOADED
         self._entries: list[SavedEntry] = []
         self._plan: GroupPlan | None = None
-        self._retained: list[torch.Tensor] = []  # host buffers kept across iterations
-        self._retained_sizes: list[int] = []
-        self._captured: list[torch.Tensor] = []  # host buffers a captured graph uses
+        self._buffers = LayerHostBuffers(retain_pinned_cpu_buffers, name)
         self._seq = 0
         #: The order backward reads the units in (NOTE [Reloads in the order backward
         #: reads] in ``reload_order.py``).
@@ -190,7 +188,9 @@ class OffloadableLayerState:
         self.budget_kept_bytes = plan.keep_units(self.keep_budget)
         moved = plan.moved
         self.moved_bytes = sum(u.nbytes for u in moved)
-        buffers = self._host_buffers(moved)
+        buffers = self._buffers.acquire(
+            self.transport.pool, [u.nbytes for u in moved], self.transport.capturing()
+        )
         # Known before any copy is queued, so that a failure part-way through is cleaned
         # up by release_all_memory (which waits for the copies already queued).
         self._plan = plan
@@ -252,37 +252,6 @@ class OffloadableLayerState:
                 _log.kept(self.name, entry.tensor, why)
         moved = plan.moved
         _log.moved(self.name, "offload", sum(u.nbytes for u in moved), len(moved))
-
-    def _host_buffers(self, units: list[Unit]) -> list[torch.Tensor]:
-        pool = self.transport.pool
-        capturing = self.transport.capturing()
-        if not self.retain_pinned_cpu_buffers:
-            buffers = [pool.acquire(u.nbytes) for u in units]
-            if capturing:
-                # A captured graph copies to these addresses at every replay: they belong
-                # to it from now on, and never go back to the pool for other work.
-                self._captured.extend(buffers)
-            return buffers
-        wanted = [u.nbytes for u in units]
-        if not self._retained:
-            if capturing and not pinned_alloc_in_capture_supported():
-                raise RuntimeError(
-                    f"{self.name} has no retained host buffers yet: with "
-                    "retain_pinned_cpu_buffers=True, run one eager (warm-up) iteration before "
-                    "capturing a CUDA graph, so that the buffers exist before the capture "
-                    "(PyTorch < 2.11 cannot allocate pinned memory during capture)"
-                )
-            self._retained = [pool.acquire(n) for n in wanted]
-            self._retained_sizes = wanted
-            return self._retained
-        if wanted != self._retained_sizes:
-            raise RuntimeError(
-                f"retain_pinned_cpu_buffers=True needs the same saved tensors every "
-                f"iteration, but {self.name} now saves blocks of {wanted} bytes where its "
-                f"retained host buffers hold {self._retained_sizes} bytes. Keep shapes fixed, "
-                "or create the offload context with retain_pinned_cpu_buffers=False."
-            )
-        return self._retained
 
     def release_activation_forward_gpu_memory(self) -> None:
         """Make the current stream wait for the offload copies, then drop the device tensors.
@@ -516,11 +485,7 @@ class OffloadableLayerState:
                 self._join_reload(unit, stream)
                 if unit.host is not None and unit.restored is not None:
                     self.transport.host_read_until(unit.host, unit.restored)
-                if (
-                    unit.host is not None
-                    and not self.retain_pinned_cpu_buffers
-                    and not any(unit.host is b for b in self._captured)
-                ):
+                if unit.host is not None and self._buffers.returns_to_pool(unit.host):
                     self.transport.pool.release(unit.host)
                 unit.host = unit.host_view = unit.tensor = unit.reloaded = None
                 unit.returned.clear()
