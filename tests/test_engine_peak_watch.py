@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from peak_watch_helpers import Reads, random_windows
 
 from cpu_offload.engine.peak_watch import (
     BUDGET_MARGIN_MIN,
@@ -19,29 +20,20 @@ from cpu_offload.engine.peak_watch import (
 # -- the watch alone -----------------------------------------------------------------------
 
 
-class _Reads:
-    """The running peak the watch reads: set by the test before each read."""
-
-    def __init__(self) -> None:
-        self.value = 0
-
-    def __call__(self) -> int:
-        return self.value
-
-
-def _watch(windows: list[Window], points: int, budget: int = 0) -> tuple[PeakWatch, _Reads]:
-    reads = _Reads()
+def _watch(windows: list[Window], points: int, budget: int = 0) -> tuple[PeakWatch, Reads]:
+    reads = Reads()
     return PeakWatch(reads, windows, points, slack=0, budget=budget), reads
 
 
 def _run(
     watch: PeakWatch,
-    reads: _Reads,
+    reads: Reads,
     interval_peaks: list[int],
     candidates: dict[int, int],
     before: int = 0,
     after: int = 0,
     units: dict[int, tuple[int, int]] | None = None,
+    deferred: dict[int, int] | None = None,
 ) -> set[int]:
     """One iteration whose interval ``t`` (ending at point ``t``) peaks at
     ``interval_peaks[t]``; ``before`` is the running peak when it begins, ``after`` the
@@ -53,7 +45,7 @@ def _run(
         reads.value = max(reads.value, peak)
         watch.mark(t)  # a point the watch does not want is not read
     reads.value = max(reads.value, after)
-    return set(watch.end(candidates, units))
+    return set(watch.end(candidates, units, deferred))
 
 
 def test_peak_after_every_window_keeps_what_fits():
@@ -98,7 +90,7 @@ def test_kept_bytes_that_raise_the_peak_move_again_for_good():
 
 
 def test_the_allocator_slack_is_left_as_margin():
-    reads = _Reads()
+    reads = Reads()
     watch = PeakWatch(reads, [Window(0, 0, 3)], 5, slack=10)
     assert _run(watch, reads, [10, 20, 30, 40, 100], {0: 55}) == set()  # room 60 < 55 + 10
     assert _run(watch, reads, [10, 20, 30, 40, 100], {0: 50}) == {0}  # room 60 = 50 + 10
@@ -182,21 +174,11 @@ def test_bad_windows_are_refused():
         PeakWatch(lambda: 0, [Window(0, 1, 4)], 4)
 
 
-def _random_windows(rng: random.Random) -> tuple[int, list[Window]]:
-    """A random number of points, and one to four windows within them."""
-    points = rng.randint(3, 12)
-    windows = []
-    for layer in range(rng.randint(1, 4)):
-        start = rng.randint(0, points - 2)
-        windows.append(Window(layer, start, rng.randint(start + 1, points - 1)))
-    return points, windows
-
-
 @pytest.mark.parametrize("seed", range(200))
 def test_what_is_kept_never_raises_the_peak(seed):
     """On random profiles, keeping the chosen bytes leaves every interval within the peak."""
     rng = random.Random(seed)
-    points, windows = _random_windows(rng)
+    points, windows = random_windows(rng)
     candidates = {w.layer: rng.randint(0, 40) for w in windows}
     peaks = [rng.randint(0, 100) for _ in range(points)]
     after = rng.choice([0, rng.randint(0, 150)])
@@ -280,14 +262,15 @@ def test_a_budget_that_raises_the_peak_is_cut_and_never_grows_again():
     assert watch.budgets[0] == budget - 500 - (PEAK + 500) // BUDGET_MARGIN_SHARE
 
 
-def test_an_iteration_cut_short_ends_the_budgets():
+def test_an_iteration_cut_short_ends_the_budgets_and_deferrals():
     watch, reads = _watch([Window(0, 0, 3)], 5)
-    _run(watch, reads, [0, 1000, 1000, 1000, PEAK], {}, units={0: (0, 20000)})
-    assert watch.budgets[0] > 0
+    profile = [0, 1000, PEAK - 10 * MARGIN, PEAK - 10 * MARGIN, PEAK]
+    _run(watch, reads, profile, {}, units={0: (0, 20 * MARGIN)}, deferred={0: 0})
+    assert watch.budgets[0] > 0 and watch.deferrals[0] > 0
     watch.begin()
     watch.mark(1)  # out of memory in the next layer, say
     watch.begin()
-    assert watch.budgets == {} and watch.capped == {0}
+    assert watch.budgets == {} and watch.deferrals == {} and watch.capped == {0}
 
 
 def test_without_unit_bytes_only_view_bases_are_kept():
@@ -301,7 +284,7 @@ def _random_profile(
 ) -> tuple[int, list[Window], dict[int, int], dict[int, tuple[int, int]], list[int]]:
     """Random windows, view-base bytes and other units' bytes per layer (up to
     ``400 * scale`` and ``4000 * scale``), and interval peaks up to ``PEAK``."""
-    points, windows = _random_windows(rng)
+    points, windows = random_windows(rng)
     candidates = {w.layer: rng.randint(0, 400 * scale) for w in windows}
     units = {w.layer: (0, rng.randint(0, 4000 * scale)) for w in windows}
     peaks = [rng.randint(0, PEAK) for _ in range(points)]
@@ -402,14 +385,14 @@ def test_what_a_budget_keeps_stays_under_it(seed):
 
 def test_a_negative_budget_is_refused():
     with pytest.raises(ValueError, match="budget must be >= 0"):
-        PeakWatch(_Reads(), [Window(0, 0, 1)], 2, budget=-1)
+        PeakWatch(Reads(), [Window(0, 0, 1)], 2, budget=-1)
 
 
 @pytest.mark.parametrize("share", [2, 7, BUDGET_MARGIN_SHARE])
 def test_the_margin_share_sets_the_room_left_unused(share):
     # A peak large enough that PEAK // share is above the floor for every share here.
     peak = 100 * BUDGET_MARGIN_SHARE * BUDGET_MARGIN_MIN
-    reads = _Reads()
+    reads = Reads()
     watch = PeakWatch(reads, [Window(0, 0, 3)], 5, slack=0, margin_share=share)
     _run(watch, reads, [0, 1000, 1000, 1000, peak], {}, units={0: (0, 2 * peak)})
     assert watch.budgets[0] == peak - 1000 - peak // share
@@ -418,7 +401,7 @@ def test_the_margin_share_sets_the_room_left_unused(share):
 def test_a_budget_cut_leaves_the_watch_s_own_margin():
     share = 7
     peak = 100 * BUDGET_MARGIN_SHARE * BUDGET_MARGIN_MIN
-    reads = _Reads()
+    reads = Reads()
     watch = PeakWatch(reads, [Window(0, 0, 3)], 5, slack=0, margin_share=share)
     _run(watch, reads, [0, 1000, 1000, 1000, peak], {}, units={0: (0, 2 * peak)})
     budget = watch.budgets[0]
@@ -430,7 +413,7 @@ def test_a_budget_cut_leaves_the_watch_s_own_margin():
 
 def test_the_margin_is_never_below_its_floor():
     peak = BUDGET_MARGIN_SHARE * BUDGET_MARGIN_MIN // 2  # 1/share of it is half the floor
-    reads = _Reads()
+    reads = Reads()
     watch = PeakWatch(reads, [Window(0, 0, 3)], 5, slack=0)
     _run(watch, reads, [0, 1000, 1000, 1000, peak], {}, units={0: (0, 2 * peak)})
     assert watch.budgets[0] == peak - 1000 - BUDGET_MARGIN_MIN
@@ -439,4 +422,4 @@ def test_the_margin_is_never_below_its_floor():
 @pytest.mark.parametrize("share", [0, -3])
 def test_a_margin_share_below_one_is_refused(share):
     with pytest.raises(ValueError, match=f"margin_share must be >= 1, got {share}"):
-        PeakWatch(_Reads(), [Window(0, 0, 1)], 2, margin_share=share)
+        PeakWatch(Reads(), [Window(0, 0, 1)], 2, margin_share=share)

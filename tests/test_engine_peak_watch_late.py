@@ -11,10 +11,10 @@ import weakref
 import pytest
 import torch
 from helpers import assert_bit_equal, step
+from peak_watch_helpers import PeakTransport, Reads, random_windows, small_gpt
 
 from cpu_offload import HostTransport, v2
 from cpu_offload.engine.peak_watch import BUDGET_MARGIN_MIN, BUDGET_MARGIN_SHARE, PeakWatch, Window
-from cpu_offload.models import ModelSpec, build_layers
 from cpu_offload.v2 import OffloadableLayerState
 
 # Peaks of this size make the margin PEAK // BUDGET_MARGIN_SHARE (slack 0).
@@ -22,22 +22,14 @@ PEAK = 100 * BUDGET_MARGIN_SHARE * BUDGET_MARGIN_MIN
 M = PEAK // BUDGET_MARGIN_SHARE
 
 
-class _Reads:
-    def __init__(self) -> None:
-        self.value = 0
-
-    def __call__(self) -> int:
-        return self.value
-
-
-def _watch(windows: list[Window], points: int) -> tuple[PeakWatch, _Reads]:
-    reads = _Reads()
+def _watch(windows: list[Window], points: int) -> tuple[PeakWatch, Reads]:
+    reads = Reads()
     return PeakWatch(reads, windows, points, slack=0), reads
 
 
 def _run(
     watch: PeakWatch,
-    reads: _Reads,
+    reads: Reads,
     interval_peaks: list[int],
     units: dict[int, tuple[int, int]],
     deferred: dict[int, int] | None = None,
@@ -119,16 +111,6 @@ def test_a_rise_later_in_the_window_leaves_the_deferral():
     assert watch.deferrals[0] == PEAK + 500 - 1000 - (PEAK + 500) // BUDGET_MARGIN_SHARE
 
 
-def test_an_iteration_cut_short_ends_the_deferrals():
-    watch, reads = _watch([Window(0, 0, 3)], 5)
-    _run(watch, reads, [0, 1000, PEAK, PEAK, PEAK], {0: (0, 2 * PEAK)})
-    assert watch.deferrals[0] > 0
-    watch.begin()
-    watch.mark(1)  # out of memory in the next layer, say
-    watch.begin()
-    assert watch.deferrals == {} and watch.capped == {0}
-
-
 def test_without_deferred_bytes_nothing_is_deferred():
     watch, reads = _watch([Window(0, 0, 3)], 5)
     reads.value = 0
@@ -140,21 +122,12 @@ def test_without_deferred_bytes_nothing_is_deferred():
     assert watch.deferrals == {}
 
 
-def _random_windows(rng: random.Random) -> tuple[int, list[Window]]:
-    points = rng.randint(3, 12)
-    windows = []
-    for layer in range(rng.randint(1, 4)):
-        start = rng.randint(0, points - 2)
-        windows.append(Window(layer, start, rng.randint(start + 1, points - 1)))
-    return points, windows
-
-
 @pytest.mark.parametrize("seed", range(200))
 def test_what_is_kept_or_deferred_never_raises_the_peak(seed):
     """On random profiles, bases, budgets and deferrals together keep every interval
     within the peak, less the margin wherever a budget or a deferral adds bytes."""
     rng = random.Random(seed)
-    points, windows = _random_windows(rng)
+    points, windows = random_windows(rng)
     candidates = {w.layer: rng.randint(0, 400) for w in windows}
     units = {w.layer: (0, rng.randint(0, 40 * M)) for w in windows}
     peaks = [rng.randint(0, PEAK) for _ in range(points)]
@@ -264,24 +237,9 @@ def test_a_deferred_tensor_changed_in_place_still_fails_in_backward():
 N, K = 4, 2  # windows: layer 0 (2, 6] (forward of 2 to backward of 1), layer 1 (3, 5]
 
 
-class _PeakTransport(HostTransport):
-    def __init__(self) -> None:
-        super().__init__()
-        self.peak = 0
-
-    def peak_allocated(self) -> int:
-        return self.peak
-
-
 def test_v2_defers_where_only_a_window_s_first_interval_has_room():
-    spec = ModelSpec(kind="gpt", hidden=64, heads=4, seq=64, batch=2, layers=N)
-    layers = build_layers(spec, "cpu")
-
-    def make():
-        return spec.make_input("cpu", seed=1)
-
-    ref = step(layers, make)
-    transport = _PeakTransport()
+    layers, make, ref = small_gpt(N)
+    transport = PeakTransport()
     ctx, sync = v2.get_cpu_offload_context(
         True, K, N, transport=transport, min_tensor_size_to_offload=256
     )

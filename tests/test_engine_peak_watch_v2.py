@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 from helpers import assert_bit_equal, step
+from peak_watch_helpers import PeakTransport, small_gpt
 
 import cpu_offload
 from cpu_offload import HostTransport, offload_layers, v2
@@ -17,28 +18,6 @@ from cpu_offload.engine.peak_watch import Window
 from cpu_offload.models import ModelSpec, build_layers
 
 N, K = 4, 2  # windows: layer 0 from the forward of 2 to the backward of 1, layer 1 3..2
-
-
-class _PeakTransport(HostTransport):
-    """The CPU stand-in with a running peak the test raises where it wants the step's peak."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.peak = 0
-
-    def peak_allocated(self) -> int:
-        return self.peak
-
-
-def _gpt():
-    # Its attention saves q, k and v as strided views of one projection: view bases.
-    spec = ModelSpec(kind="gpt", hidden=64, heads=4, seq=64, batch=2, layers=N)
-    layers = build_layers(spec, "cpu")
-
-    def make():
-        return spec.make_input("cpu", seed=1)
-
-    return layers, make, step(layers, make)
 
 
 def _context(transport):
@@ -95,7 +74,7 @@ def _moved_with_the_peak_raised_in_layer(layer, layers, make, ref, ctx, sync, st
 def _moved_with_the_peak_after_every_window(layers, make, ref):
     """Four steps whose peak rises by 1 GiB when layer 0's backward begins: bytes moved
     per step, and the synchronizer."""
-    transport = _PeakTransport()
+    transport = PeakTransport()
     ctx, sync = _context(transport)
 
     def raise_peak():
@@ -110,7 +89,7 @@ def _moved_with_the_peak_after_every_window(layers, make, ref):
 
 
 def test_everything_stays_when_the_peak_falls_after_every_window():
-    layers, make, ref = _gpt()
+    layers, make, ref = small_gpt(N)
     moved, synchronizer = _moved_with_the_peak_after_every_window(layers, make, ref)
     states = [synchronizer.layers[i] for i in range(K)]
     bases = sum(state.view_base_bytes for state in states)
@@ -125,8 +104,8 @@ def test_everything_stays_when_the_peak_falls_after_every_window():
 
 
 def test_bases_move_when_the_peak_falls_inside_the_windows():
-    layers, make, ref = _gpt()
-    transport = _PeakTransport()
+    layers, make, ref = small_gpt(N)
+    transport = PeakTransport()
     ctx, sync = _context(transport)
     moved, raises = _moved_with_the_peak_raised_in_layer(N - 1, layers, make, ref, ctx, sync)
     assert raises == 4
@@ -135,8 +114,8 @@ def test_bases_move_when_the_peak_falls_inside_the_windows():
 
 
 def test_bases_that_raise_the_peak_move_again():
-    layers, make, ref = _gpt()
-    transport = _PeakTransport()
+    layers, make, ref = small_gpt(N)
+    transport = PeakTransport()
     ctx, sync = _context(transport)
     inside = [False]
 
@@ -160,27 +139,27 @@ def test_bases_that_raise_the_peak_move_again():
 
 
 def test_windows_follow_the_schedule():
-    ctx, _ = _context(_PeakTransport())
+    ctx, _ = _context(PeakTransport())
     # The forward of 2 is point 2; the backward of 1 is point 2N - 1 - 1 = 6.
     assert ctx.offload_synchronizer._windows == [Window(0, 2, 6), Window(1, 3, 5)]
     ctx, _ = v2.get_cpu_offload_context(
         True,
         model_layers=N,
-        transport=_PeakTransport(),
+        transport=PeakTransport(),
         synchronization_dict={0: (True, 1, True, 3), 1: (True, 2, False, 1)},
     )
     assert ctx.offload_synchronizer._windows == [Window(0, 1, 3), Window(1, 2, 6)]
 
 
 def test_no_watch_with_retained_buffers():
-    layers, make, ref = _gpt()
+    layers, make, ref = small_gpt(N)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ctx, sync = v2.get_cpu_offload_context(
             True,
             K,
             N,
-            transport=_PeakTransport(),
+            transport=PeakTransport(),
             min_tensor_size_to_offload=256,
             retain_pinned_cpu_buffers=True,  # the same blocks every iteration
         )
@@ -190,7 +169,7 @@ def test_no_watch_with_retained_buffers():
 
 
 def test_no_watch_without_a_peak_reading():
-    layers, make, ref = _gpt()
+    layers, make, ref = small_gpt(N)
     ctx, sync = _context(HostTransport())
     moved = _moved_per_step(layers, make, ref, ctx, sync, 3)
     assert moved == [moved[0]] * 3
@@ -217,8 +196,8 @@ def test_without_view_bases_budgets_keep_what_lowers_no_peak():
 def test_a_memory_budget_keeps_what_fits_under_it(budget, keeps):
     # The step peaks inside both windows, rising 1 GiB every step: nothing pays to keep
     # under the step's own peak, everything fits under a budget of 1 TiB.
-    layers, make, ref = _gpt()
-    transport = _PeakTransport()
+    layers, make, ref = small_gpt(N)
+    transport = PeakTransport()
     ctx, sync = v2.get_cpu_offload_context(
         True, K, N, transport=transport, min_tensor_size_to_offload=256, memory_budget=budget
     )
@@ -233,11 +212,11 @@ def test_a_memory_budget_keeps_what_fits_under_it(budget, keeps):
 
 
 def _moved_through(make_context, steps=4):
-    """Bytes moved per step of ``_gpt`` with the peak rising inside both windows,
+    """Bytes moved per step of the small GPT with the peak rising inside both windows,
     under the offloading ``make_context(layers, transport)`` sets up: a ``(ctx, sync)``
     pair, or None where it wraps the layers itself."""
-    layers, make, ref = _gpt()
-    transport = _PeakTransport()
+    layers, make, ref = small_gpt(N)
+    transport = PeakTransport()
     made = make_context(layers, transport)
     ctx, sync = made if made is not None else (None, None)
 
