@@ -57,8 +57,8 @@ caller resets the peak statistics, as benchmarks do). If a later iteration's pea
 inside the window of a layer that keeps its bases, above the peak it was chosen under,
 that layer moves them again from the next iteration on, and is not chosen again; a layer
 whose budget (or deferral, for a rise in its window's first interval) was in force there
-has it cut by the rise plus the margin, and it never grows again. Allocated bytes count whole allocator blocks, so both tests leave a margin
-for rounding (``ALLOCATOR_SLACK``).
+has it cut by the rise plus the margin, and it never grows again. Allocated bytes count
+whole allocator blocks, so both tests leave a margin for rounding (``ALLOCATOR_SLACK``).
 """
 
 from __future__ import annotations
