@@ -124,22 +124,28 @@ def test_without_deferred_bytes_nothing_is_deferred():
 
 @pytest.mark.parametrize("seed", range(200))
 def test_what_is_kept_or_deferred_never_raises_the_peak(seed):
-    """On random profiles, bases, budgets and deferrals together keep every interval
-    within the peak, less the margin wherever a budget or a deferral adds bytes."""
+    """On random profiles, with bytes already deferred in them, bases, budgets and the
+    new deferrals keep every interval within the peak, less the watch's margin wherever
+    a budget or a deferral adds bytes."""
     rng = random.Random(seed)
     points, windows = random_windows(rng)
     candidates = {w.layer: rng.randint(0, 400) for w in windows}
     units = {w.layer: (0, rng.randint(0, 40 * M)) for w in windows}
-    peaks = [rng.randint(0, PEAK) for _ in range(points)]
+    deferred = {w.layer: rng.randint(0, units[w.layer][1]) for w in windows}
+    bare = [rng.randint(0, PEAK) for _ in range(points)]  # without the deferred bytes
+    peaks = [
+        b + sum(deferred[w.layer] for w in windows if w.start + 1 == t) for t, b in enumerate(bare)
+    ]
     watch, reads = _watch(windows, points)
-    _run(watch, reads, peaks, units, {}, candidates)
+    _run(watch, reads, peaks, units, deferred, candidates)
     ceiling = max(peaks)
-    for t, peak in enumerate(peaks):
+    margin = max(ceiling // BUDGET_MARGIN_SHARE, BUDGET_MARGIN_MIN)
+    for t, b in enumerate(bare):
         inside = [w for w in windows if w.start < t <= w.end]
         bases = sum(candidates[w.layer] for w in inside if w.layer in watch.kept)
         added = sum(watch.budgets.get(w.layer, 0) for w in inside)
         added += sum(watch.deferrals.get(w.layer, 0) for w in windows if w.start + 1 == t)
-        assert peak + bases + added <= ceiling - (M if added else 0)
+        assert b + bases + added <= ceiling - (margin if added else 0)
     for w in windows:
         assert 0 <= watch.deferrals.get(w.layer, 0) <= units[w.layer][1]
 
@@ -284,3 +290,56 @@ def test_v2_defers_where_only_a_window_s_first_interval_has_room():
         (2, [(done, True), ("offload_started", True)]),
         (3, [(done, False), (done, True)]),
     ]
+
+
+def test_a_slice_of_a_larger_storage_is_never_deferred():
+    big = torch.randn(256, 256)
+    tensors = [torch.randn(64, 256), big[:64]]
+    state, _ = _state(1 << 30, tensors)
+    state.start_offload()
+    assert state.deferred_bytes == 0  # the slice is last: the tail stops at once
+
+
+def test_a_tensor_rebuilt_from_units_on_both_sides_is_not_split():
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    a, b = torch.randn(64, 256), torch.randn(64, 256)
+    state, ids = _state(b.nbytes, [TwoTensor(a, b)])
+    state.start_offload()
+    assert state.deferred_bytes == 0  # deferring b would hold a until the late release
+    state.release_activation_forward_gpu_memory()
+    state.start_reload()
+    got = state.pop_tensor(ids[0])
+    assert torch.equal(got.a, a) and torch.equal(got.b, b)
+
+
+class _FailingSecondCall(HostTransport):
+    """Queues the first call's copies, fails on the second, and logs the waits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+        self.waited: list[object] = []
+
+    def offload_all(self, copies):
+        self.calls += 1
+        if self.calls == 2:
+            raise RuntimeError("queue failed")
+        super().offload_all(copies)
+        return [("event", self.calls)] * len(copies)
+
+    def wait(self, event, stream=None):
+        self.waited.append(event)
+
+
+def test_a_failure_queuing_the_tail_still_waits_for_the_copies_before_it():
+    transport = _FailingSecondCall()
+    state = OffloadableLayerState(None, transport=transport)
+    tensors = _four()
+    state.defer_budget = tensors[3].nbytes
+    for t in tensors:
+        state.push_tensor(t)
+    with pytest.raises(RuntimeError, match="queue failed"):
+        state.start_offload()
+    state.release_all_memory()
+    assert ("event", 1) in transport.waited

@@ -204,11 +204,16 @@ class OffloadableLayerState:
             unit.host_view = HostBufferPool.view(buf, unit.layout)  # made once, used twice
             assert unit.tensor is not None
             copies.append((unit.tensor, unit.ready, unit.host_view))
-        split = self._defer_tail(plan, moved)
+        split = plan.late_tail(moved, self.defer_budget) if self.defer_budget > 0 else len(moved)
+        self.deferred_bytes = sum(u.nbytes for u in moved[split:])
+        late = {id(u) for u in moved[split:]}
+        self._late = [i for i, u in enumerate(plan.units) if id(u) in late]
         # All copies of the layer in one call: one stream switch, not one per tensor. A
         # deferred tail gets a call (and a completion event) of its own, so that the
         # release at the layer's point waits only for the copies before it.
-        events = self.transport.offload_all(copies[:split])
+        events = self.transport.offload_all(copies[:split]) if split else []
+        for unit, event in zip(moved, events, strict=False):
+            unit.copied = event  # known before the tail is queued: see release_all_memory
         if split < len(copies):
             events += self.transport.offload_all(copies[split:])
         for unit, event in zip(moved, events, strict=True):
@@ -223,21 +228,6 @@ class OffloadableLayerState:
         self.transport.recycle(ready)
         if _log.debug_enabled():
             self._log_offload(plan)
-
-    def _defer_tail(self, plan: GroupPlan, moved: list[Unit]) -> int:
-        """Defer the release of the last moved units within ``defer_budget`` bytes.
-
-        Returns:
-            How many of ``moved`` (in copy order) are released at the layer's point.
-        """
-        split, deferred = len(moved), 0
-        while split > 0 and deferred + moved[split - 1].nbytes <= self.defer_budget:
-            split -= 1
-            deferred += moved[split].nbytes
-        self.deferred_bytes = deferred
-        late = {id(u) for u in moved[split:]}
-        self._late = [i for i, u in enumerate(plan.units) if id(u) in late] if late else []
-        return split
 
     def _log_offload(self, plan: GroupPlan) -> None:
         for unit in plan.units:
@@ -254,7 +244,8 @@ class OffloadableLayerState:
         _log.moved(self.name, "offload", sum(u.nbytes for u in moved), len(moved))
 
     def release_activation_forward_gpu_memory(self) -> None:
-        """Make the current stream wait for the offload copies, then drop the device tensors.
+        """Make the current stream wait for the offload copies, then drop the device tensors
+        (but the deferred ones: :meth:`release_deferred`).
 
         Raises:
             RuntimeError: Unless called in state ``offload_started``.

@@ -33,7 +33,10 @@ the compute stream then waits for fewer copies, and the copy stream goes on whil
 next layer computes: where copies out bound the step (many layers offloaded, the last
 ones released just before the backward), the forward no longer stalls for bytes whose
 memory the peak does not need yet. Deferred bytes raise only that one interval, so they
-need room only there, less the same margin.
+need room only there, less the same margin. As for budgets, only units that own their whole
+storage are deferred, and never part of the units one tensor is rebuilt from: what is
+deferred is what the device holds longer. A layer whose budget or deferral was cut is
+capped for both.
 
 Where the peak falls is read, not modelled: the allocator keeps a running maximum of
 allocated memory. Read at each schedule point ``t``, it bounds the peak of the interval
@@ -288,6 +291,18 @@ class PeakWatch:
                 self.capped |= cut | late
                 return self.kept
         used = [0] * len(marks)
+        if deferred_bytes:
+            # Deferred bytes come after bases and budgets: read the room as if they were
+            # released on time (a lower bound still: they stayed the whole interval), and
+            # hold what capped layers still defer.
+            marks = list(marks)
+            for layer, nbytes in deferred_bytes.items():
+                window = self.windows.get(layer)
+                if window is not None and nbytes > 0:
+                    marks[window.start + 1] -= nbytes  # type: ignore[operator]
+            for layer in self.capped:
+                if layer in self.windows:
+                    used[self.windows[layer].start + 1] += self.deferrals.get(layer, 0)
         for layer in sorted(candidate_bytes):
             nbytes = candidate_bytes[layer]
             if nbytes <= 0 or layer in self.kept or layer in self.refused:
@@ -304,7 +319,7 @@ class PeakWatch:
         if unit_bytes is not None:
             self._grow_budgets(ceiling, marks, used, unit_bytes)  # type: ignore[arg-type]
             if deferred_bytes is not None and self.defer:
-                self._grow_deferrals(ceiling, marks, used, unit_bytes, deferred_bytes)  # type: ignore[arg-type]
+                self._grow_deferrals(ceiling, marks, used, unit_bytes)  # type: ignore[arg-type]
         return self.kept
 
     def _margin(self, peak: int) -> int:
@@ -350,25 +365,19 @@ class PeakWatch:
         marks: Sequence[int],
         used: list[int],
         unit_bytes: Mapping[int, tuple[int, int]],
-        deferred_bytes: Mapping[int, int],
     ) -> None:
-        """Give each layer's deferral the room left, after the budgets, in the one
-        interval its deferred bytes stay for: the first of its window.
-
-        As for budgets, a new deferral is what was deferred in this iteration plus the
-        room (read with those bytes on the device), at most the bytes moved.
-        """
+        """Give each layer's deferral the room left, after bases and budgets, in the one
+        interval its deferred bytes stay for: the first of its window, at most the bytes
+        moved. ``marks`` were read as if nothing had been deferred."""
         margin = self._margin(peak)
         for window in self.windows.values():
             layer = window.layer
             if layer in self.capped:
-                continue
+                continue  # held in ``used`` already
             p = window.start + 1
-            deferred = deferred_bytes.get(layer, 0)
             moved = unit_bytes.get(layer, (0, 0))[1]
-            grown = min(deferred + max(peak - marks[p] - used[p] - margin, 0), moved)
+            grown = min(max(peak - marks[p] - used[p] - margin, 0), moved)
             if grown > self.deferrals.get(layer, 0):
                 self._chosen_peak = max(self._chosen_peak, peak)
             self.deferrals[layer] = grown
-            if grown > deferred:
-                used[p] += grown - deferred
+            used[p] += grown

@@ -144,11 +144,39 @@ class GroupPlan:
             assert tensor is not None
             # A slice of a larger storage would keep all of it alive: moved, only the
             # slice comes back.
-            if kept + unit.nbytes <= budget and tensor.untyped_storage().nbytes() == unit.nbytes:
+            if kept + unit.nbytes <= budget and not _shares_storage(tensor, unit.nbytes):
                 unit.kept = True
                 unit.storage_offset = int(tensor.storage_offset())
                 kept += unit.nbytes
         return kept
+
+    def late_tail(self, moved: list[Unit], budget: int) -> int:
+        """How many of ``moved`` (in copy order) to release at the layer's point, so that
+        the rest, the last ones copied, fit in ``budget`` bytes released one point late
+        (NOTE [Bytes that pay] in ``peak_watch.py``).
+
+        The tail holds only units that own their whole storage (a slice would hold all of
+        it), and no tensor is rebuilt from units on both sides (it would hold the early
+        ones too): what is deferred is exactly what the device keeps longer.
+        """
+        split, deferred = len(moved), 0
+        while split > 0:
+            unit = moved[split - 1]
+            assert unit.tensor is not None
+            if deferred + unit.nbytes > budget or _shares_storage(unit.tensor, unit.nbytes):
+                break
+            split -= 1
+            deferred += unit.nbytes
+        while split < len(moved) and self._straddles({id(u) for u in moved[split:]}):
+            split += 1
+        return split
+
+    def _straddles(self, late: set[int]) -> bool:
+        for ref in self.refs:
+            ids = self.unit_ids(ref)
+            if len(ids) > 1 and len({id(self.units[u]) in late for u in ids}) > 1:
+                return True
+        return False
 
     def keep(self, index: int, tensor: torch.Tensor) -> None:
         """Serve pushed id ``index`` from ``tensor`` itself instead of its units."""
@@ -163,6 +191,11 @@ class GroupPlan:
         if isinstance(ref, _SubclassRef):
             return [u for r in ref.inner.values() for u in self.unit_ids(r)]
         return []
+
+
+def _shares_storage(tensor: torch.Tensor, nbytes: int) -> bool:
+    """Whether ``tensor``'s storage holds more than its ``nbytes``."""
+    return tensor.untyped_storage().nbytes() != nbytes
 
 
 def _is_wrapper(tensor: torch.Tensor) -> bool:
