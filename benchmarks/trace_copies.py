@@ -50,6 +50,7 @@ def spans(events: list[dict[str, Any]]) -> list[tuple[float, float]]:
 
 
 def report(events: list[dict[str, Any]], gap_ms: float) -> str:
+    """The compute stream's gaps over ``gap_ms`` and each copy direction's spans."""
     t0 = events[0]["ts"]
 
     def ms(t: float) -> str:
@@ -66,10 +67,10 @@ def report(events: list[dict[str, Any]], gap_ms: float) -> str:
                     copies[(e["tid"], d)].append(e)
     stream, ks = max(kernels.items(), key=lambda kv: len(kv[1]))
     lines = [f"compute stream {stream}: {len(ks)} kernels, gaps over {gap_ms} ms:"]
-    for a, b in zip(ks, ks[1:], strict=False):
-        gap = b["ts"] - (a["ts"] + a["dur"])
+    for before, after in zip(ks, ks[1:], strict=False):
+        gap = after["ts"] - (before["ts"] + before["dur"])
         if gap > gap_ms * 1e3:
-            lines.append(f"  at {ms(a['ts'] + a['dur'])} ms: {gap / 1e3:.2f} ms")
+            lines.append(f"  at {ms(before['ts'] + before['dur'])} ms: {gap / 1e3:.2f} ms")
     for (tid, d), es in sorted(copies.items()):
         mib = sum(e.get("args", {}).get("bytes", 0) for e in es) / 2**20
         lines.append(f"stream {tid} {d}: {len(es)} copies, {mib:.0f} MiB, spans:")
