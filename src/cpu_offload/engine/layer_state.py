@@ -211,13 +211,13 @@ class OffloadableLayerState:
         # All copies of the layer in one call: one stream switch, not one per tensor. A
         # deferred tail gets a call (and a completion event) of its own, so that the
         # release at the layer's point waits only for the copies before it.
-        events = self.transport.offload_all(copies[:split]) if split else []
-        for unit, event in zip(moved, events, strict=False):
-            unit.copied = event  # known before the tail is queued: see release_all_memory
-        if split < len(copies):
-            events += self.transport.offload_all(copies[split:])
-        for unit, event in zip(moved, events, strict=True):
-            unit.copied = event
+        # Each part's events are known before the next is queued: release_all_memory
+        # waits for them if queuing the tail fails.
+        for part in (slice(0, split), slice(split, None)):
+            if copies[part]:
+                events = self.transport.offload_all(copies[part])
+                for unit, event in zip(moved[part], events, strict=True):
+                    unit.copied = event
         # Every wait on the save events is queued: NOTE [Recycled save events].
         for unit in plan.units:
             unit.ready = None
