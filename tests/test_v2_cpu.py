@@ -618,6 +618,49 @@ def test_small_tensors_stay_at_the_door(monkeypatch, caplog):
     sync.release_all()
 
 
+class _StreamCalls(HostTransport):
+    """The stand-in, counting the calls that would reach a CUDA stream."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def current_stream(self):
+        self.calls.append("current_stream")
+        return super().current_stream()
+
+    def record(self):
+        self.calls.append("record")
+        return super().record()
+
+    def offload_all(self, copies):
+        self.calls.append("offload_all")
+        return super().offload_all(copies)
+
+    def reload_all(self, copies):
+        self.calls.append("reload_all")
+        return super().reload_all(copies)
+
+
+@pytest.mark.parametrize("threshold", [1 << 62, MIN])
+def test_a_layer_with_nothing_to_move_touches_no_stream(threshold):
+    # NOTE [A layer with nothing to move]: with nothing eligible, the offloaded layers
+    # go through every point of the schedule without a stream call; with a threshold
+    # the same model reaches, the same steps make them (the count is not vacuous).
+    layers, make, ref = _model("gpt")
+    transport = _StreamCalls()
+    ctx, sync = _ctx(k=2, transport=transport, min_tensor_size_to_offload=threshold)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # nothing offloaded, when so
+        for _ in range(2):
+            assert_bit_equal(step(layers, make, ctx, sync), ref)
+    moved = ctx.offload_synchronizer.layers[0].moved_bytes
+    if threshold == MIN:
+        assert moved > 0 and {"offload_all", "reload_all", "current_stream"} <= set(transport.calls)
+    else:
+        assert moved == 0 and transport.calls == []
+
+
 @pytest.mark.parametrize("policy", [lambda t: True, is_marked_for_offload])
 def test_a_policy_without_a_size_threshold_sees_every_tensor(policy):
     # Only V2's ActivationPolicy has a size threshold to test at the door.

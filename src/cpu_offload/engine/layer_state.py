@@ -341,7 +341,10 @@ class OffloadableLayerState:
 
     def _reload_units(self, units: list[Unit], buffers: list[torch.Tensor | None]) -> None:
         # Every buffer is allocated before any copy is queued (an allocation that fails
-        # leaves no copy running), then the copies go in one call.
+        # leaves no copy running), then the copies go in one call. Nothing to reload
+        # touches no stream (NOTE [A layer with nothing to move] in ``v2/synchronizer.py``).
+        if not units:
+            return
         transport = self.transport
         copies = []
         for unit, buffer in zip(units, buffers, strict=True):
@@ -452,7 +455,7 @@ class OffloadableLayerState:
         Joins the copy stream back into the compute stream (required at the end of a
         CUDA graph capture), and makes dropping reload buffers safe.
         """
-        if self._plan is None:
+        if self._plan is None or not self._plan.units:
             return
         stream = self.transport.current_stream()
         for unit in self._plan.units:
@@ -464,7 +467,7 @@ class OffloadableLayerState:
         Allowed in any state. Copies still in flight are waited for first (on the
         stream, not the host), so memory is never reused under a running copy.
         """
-        if self._plan is not None:
+        if self._plan is not None and self._plan.units:
             if self._read_order.reads:
                 self._read_order.remember(self._plan)
             stream = self.transport.current_stream()
