@@ -1,6 +1,7 @@
 """Bytes released one point late (NOTE [Bytes that pay]): the peak watch's deferrals on
 synthetic profiles, a layer state that releases its last copies later, and V2's default
-schedule on the CPU stand-in deferring where the first interval of a window has room.
+schedule on the CPU stand-in deferring where the first interval of a window has room,
+and nothing deferred in an iteration a CUDA graph captures.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from helpers import assert_bit_equal, step
 from peak_watch_helpers import PeakTransport, Reads, random_windows, small_gpt
 
 from cpu_offload import HostTransport, v2
+from cpu_offload._compat import pinned_alloc_in_capture_supported
 from cpu_offload.engine.peak_watch import BUDGET_MARGIN_MIN, BUDGET_MARGIN_SHARE, PeakWatch, Window
 from cpu_offload.v2 import OffloadableLayerState
 
@@ -292,6 +294,49 @@ def test_v2_defers_where_only_a_window_s_first_interval_has_room():
     ]
 
 
+class _Capturing(PeakTransport):
+    """The stand-in, reporting a CUDA graph capture while ``capture`` is set."""
+
+    capture = False
+
+    def capturing(self) -> bool:
+        return self.capture
+
+
+def test_an_iteration_captured_in_a_graph_defers_nothing():
+    # A captured graph replays the same copies and releases every time: the deferrals
+    # chosen before the capture must not be built into it. After it, they come back.
+    if not pinned_alloc_in_capture_supported():
+        pytest.skip("this PyTorch refuses a capture without retained buffers")
+    layers, make, ref = small_gpt(N)
+    transport = _Capturing()
+    ctx, sync = v2.get_cpu_offload_context(
+        True, K, N, transport=transport, min_tensor_size_to_offload=256
+    )
+    states = ctx.offload_synchronizer.layers
+
+    def raise_peak(grad):  # the step's peak in a backward interval, as in the test above
+        transport.peak += 1 << 30
+
+    def in_backward(module, args, out):
+        out.register_hook(raise_peak)
+
+    hook = layers[2].register_forward_hook(in_backward)
+    deferred = []
+    try:
+        for capture in (False, False, False, True, False):
+            transport.capture = capture
+            assert_bit_equal(ref, step(layers, make, ctx, sync))
+            deferred.append([s.deferred_bytes > 0 for s in states[:K]])
+    finally:
+        hook.remove()
+    watch = ctx.offload_synchronizer.peak_watch
+    assert all(watch.deferrals.get(i, 0) > 0 for i in range(K))  # chosen, and kept
+    assert deferred[2] == [True] * K and deferred[4] == [True] * K
+    assert deferred[3] == [False] * K
+    assert all(s.defer_budget > 0 for s in states[:K])
+
+
 def test_a_slice_of_a_larger_storage_is_never_deferred():
     big = torch.randn(256, 256)
     tensors = [torch.randn(64, 256), big[:64]]
@@ -330,6 +375,52 @@ class _FailingSecondCall(HostTransport):
 
     def wait(self, event, stream=None):
         self.waited.append(event)
+
+
+class _Tokens(HostTransport):
+    """Each ``offload_all`` call's copies share one token (as a CUDA event); waits logged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[int] = []  # copies per call
+        self.waited: list[object] = []
+
+    def offload_all(self, copies):
+        super().offload_all(copies)
+        self.calls.append(len(copies))
+        return [("event", len(self.calls))] * len(copies)
+
+    def wait(self, event, stream=None):
+        self.waited.append(event)
+
+
+def test_the_layer_s_release_waits_only_for_the_copies_before_the_tail():
+    # One offload_all call for the whole layer would give the tail's event to every
+    # unit: the release at the layer's point would then wait for the deferred copies too.
+    transport = _Tokens()
+    state = OffloadableLayerState(None, transport=transport)
+    tensors = _four()
+    state.defer_budget = tensors[2].nbytes + tensors[3].nbytes
+    for t in tensors:
+        state.push_tensor(t)
+    state.start_offload()
+    assert transport.calls == [2, 2]
+    state.release_activation_forward_gpu_memory()
+    assert transport.waited == [("event", 1)]
+    state.release_deferred()
+    assert transport.waited == [("event", 1), ("event", 2)]
+    state.release_all_memory()
+
+
+def test_nothing_deferred_is_one_call_and_one_wait():
+    transport = _Tokens()
+    state = OffloadableLayerState(None, transport=transport)
+    for t in _four():
+        state.push_tensor(t)
+    state.start_offload()
+    state.release_activation_forward_gpu_memory()
+    assert transport.calls == [4] and transport.waited == [("event", 1)]
+    state.release_all_memory()
 
 
 def test_a_failure_queuing_the_tail_still_waits_for_the_copies_before_it():

@@ -12,10 +12,29 @@ import torch
 from cpu_offload import HostTransport, v2
 from cpu_offload.v2 import DefaultOffloadSynchronizer, ManualOffloadSynchronizer
 from cpu_offload.v2.schedule import (
+    Point,
     check_layer_counts,
     default_synchronization_dict,
     validate_synchronization_dict,
 )
+
+# -- Point ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 3, 16])
+def test_point_at_inverts_position_over_the_whole_iteration(n):
+    points = [Point.at(p, n) for p in range(2 * n)]
+    assert [pt.position(n) for pt in points] == list(range(2 * n))
+    assert points[0] == Point(True, 0) and points[-1] == Point(False, 0)
+
+
+@pytest.mark.parametrize("position", [-1, 8])
+def test_point_at_refuses_a_position_outside_the_iteration(position):
+    with pytest.raises(
+        ValueError, match=rf"position must be in \[0, 7\] for 4 layers.*got {position}"
+    ):
+        Point.at(position, 4)
+
 
 # -- default_synchronization_dict ------------------------------------------------------
 

@@ -47,7 +47,16 @@ class Point:
 
     @classmethod
     def at(cls, position: int, num_layers: int) -> Point:
-        """The point at ``position`` (the inverse of :meth:`position`)."""
+        """The point at ``position`` (the inverse of :meth:`position`).
+
+        Raises:
+            ValueError: If ``position`` is outside ``[0, 2 * num_layers - 1]``.
+        """
+        if not 0 <= position < 2 * num_layers:
+            raise ValueError(
+                f"position must be in [0, {2 * num_layers - 1}] for {num_layers} layers "
+                f"(forwards, then backwards), got {position}"
+            )
         if position < num_layers:
             return cls(True, position)
         return cls(False, 2 * num_layers - 1 - position)
