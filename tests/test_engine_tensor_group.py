@@ -14,7 +14,12 @@ import pytest
 import torch
 
 from cpu_offload import HostTransport, mark_not_offload, start_offload, v2
-from cpu_offload.engine.tensor_group import SavedEntry, TensorGroupProcessor
+from cpu_offload.engine.tensor_group import (
+    GroupPlan,
+    SavedEntry,
+    TensorGroupProcessor,
+    _storage_key,
+)
 
 _KEPT = "stays on the GPU"
 
@@ -348,3 +353,44 @@ def test_threshold_counts_elements():
     t64 = torch.ones(255, dtype=torch.float64)  # more bytes, fewer elements
     run = _save_in_layer0([t8, t64], min_size=256)
     assert run.moved == 256
+
+
+def _single_views() -> list[tuple[str, torch.Tensor, bool]]:
+    """Views saved without their base, dense or not, whole or partial, forced or not."""
+    base = torch.randn(8, 16, 32)
+    out = [
+        ("reshape", base.view(128, 32), False),
+        ("reshape forced", base.view(128, 32), True),
+        ("permuted", base.permute(2, 0, 1), False),
+        ("slice", base[:4], False),
+        ("slice forced", base[:4], True),
+        ("strided slice", base[:, ::2], False),
+        ("column", base[..., 0], False),
+        ("expanded", base[:1].expand(8, 16, 32), False),
+        ("dtype view", base.view(torch.int32), False),
+        ("same as base", base.view(8, 16, 32), False),
+        ("transposed", base.transpose(1, 2), False),
+    ]
+    return [(name, t, forced) for name, t, forced in out]
+
+
+@pytest.mark.parametrize(
+    ("name", "view", "forced"), _single_views(), ids=[n for n, _, _ in _single_views()]
+)
+def test_a_view_saved_alone_is_planned_as_the_grouping_rule_plans_it(name, view, forced):
+    # process() answers a dense view saved without its base before the grouping rule
+    # (_plan_root): both must give the same units and the same references.
+    entries = [SavedEntry(view, None, 1, forced)]
+    processor = TensorGroupProcessor()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fast = processor.process(entries)
+        leaves: list = []
+        processor._flatten(view, entries[0], leaves)
+        leaves[0].key = _storage_key(view)
+        rule = GroupPlan()
+        root = view if view._base is None else view._base  # view(dtype) has no _base
+        refs = processor._plan_root(root, [0], leaves, rule, False)
+    assert [(u.layout, u.tensor) for u in fast.units] == [(u.layout, u.tensor) for u in rule.units]
+    assert fast.refs == [refs[0]]
+    assert fast.view_base_bytes == rule.view_base_bytes

@@ -264,12 +264,19 @@ class TensorGroupProcessor:
 
         plan = GroupPlan()
         leaf_refs: dict[int, _Ref] = {}
-        for root, members in roots.values():
-            if len(members) == 1 and leaves[members[0]].tensor is root:
-                # The common case, a tensor saved as itself (not a view): no grouping to
-                # decide, and no call to make for it.
-                leaf_refs[members[0]] = self._own_unit(root, leaves[members[0]], plan)
-                continue
+        for root_key, (root, members) in roots.items():
+            if len(members) == 1:
+                leaf = leaves[members[0]]
+                if leaf.tensor is root:
+                    # The common case, a tensor saved as itself (not a view): no grouping
+                    # to decide, and no call to make for it.
+                    leaf_refs[members[0]] = self._own_unit(root, leaf, plan)
+                    continue
+                if not leaf.force_base and leaf.key != root_key and is_dense(leaf.tensor):
+                    # A dense view saved alone (Linear's input reshaped to 2-D, its base
+                    # not saved): _plan_root would copy it as a unit of its own too.
+                    leaf_refs[members[0]] = _UnitRef(self._add_unit(plan, leaf.tensor, leaf), None)
+                    continue
             leaf_refs.update(self._plan_root(root, members, leaves, plan, keep_view_bases))
 
         plan.refs = [self._resolve(tpl, leaf_refs, alias) for tpl in templates]
