@@ -415,6 +415,34 @@ def test_a_budget_of_zero_or_below_every_unit_moves_everything():
         assert state.transport.bytes_offloaded == sum(t.nbytes for t in tensors)
 
 
+class _ReloadCalls(HostTransport):
+    """The stand-in, counting reload_all calls (on CUDA each makes the copy stream wait)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reload_calls = 0
+
+    def reload_all(self, copies):
+        self.reload_calls += 1
+        return super().reload_all(copies)
+
+
+@pytest.mark.parametrize("keep_all", [True, False])
+def test_a_layer_whose_units_all_stay_makes_no_reload_call(keep_all):
+    # NOTE [A layer with nothing to move]: with every unit kept by the budget, there is
+    # nothing to copy back and no call to make; with one moved, there is one call.
+    tensors = _tensors()
+    transport = _ReloadCalls()
+    state = OffloadableLayerState(None, transport=transport)
+    state.keep_budget = sum(t.nbytes for t in tensors) - (0 if keep_all else 1)
+    ids = [state.push_tensor(t) for t in tensors]
+    _to(state, "reload_started")
+    assert transport.reload_calls == (0 if keep_all else 1)
+    for i, t in zip(ids, tensors, strict=True):
+        assert torch.equal(state.pop_tensor(i), t)
+    state.release_all_memory()
+
+
 def test_units_kept_by_budget_still_refuse_an_in_place_change():
     tensors = _tensors()
     state, ids = _budget_state(sum(t.nbytes for t in tensors), tensors)

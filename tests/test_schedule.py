@@ -31,7 +31,8 @@ def test_point_at_inverts_position_over_the_whole_iteration(n):
 @pytest.mark.parametrize("position", [-1, 8])
 def test_point_at_refuses_a_position_outside_the_iteration(position):
     with pytest.raises(
-        ValueError, match=rf"position must be in \[0, 7\] for 4 layers.*got {position}"
+        ValueError,
+        match=rf"position must be in \[0, 2 \* num_layers - 1\] = \[0, 7\] for 4 layers.*got {position}",
     ):
         Point.at(position, 4)
 

@@ -19,6 +19,13 @@ __all__ = ["LayerPhase", "OffloadableLayerState"]
 
 _MIB = 1024 * 1024
 
+# NOTE [A layer with nothing to move]
+# A layer that saved nothing eligible (below the size threshold, weights, refused by the
+# policy) still goes through every state at its points, but touches no stream: no reload
+# call (which would make the copy stream wait for the compute stream), no stream query.
+# A layer whose units all stay on the device (kept view bases, byte budgets) makes no
+# reload call either. Hooks with nothing eligible then cost the device nothing.
+
 
 class LayerPhase(str, enum.Enum):
     """States of :class:`OffloadableLayerState`, in the order a layer goes through them."""
@@ -342,7 +349,7 @@ class OffloadableLayerState:
     def _reload_units(self, units: list[Unit], buffers: list[torch.Tensor | None]) -> None:
         # Every buffer is allocated before any copy is queued (an allocation that fails
         # leaves no copy running), then the copies go in one call. Nothing to reload
-        # touches no stream (NOTE [A layer with nothing to move] in ``v2/synchronizer.py``).
+        # touches no stream (NOTE [A layer with nothing to move]).
         if not units:
             return
         transport = self.transport
@@ -455,7 +462,7 @@ class OffloadableLayerState:
         Joins the copy stream back into the compute stream (required at the end of a
         CUDA graph capture), and makes dropping reload buffers safe.
         """
-        if self._plan is None or not self._plan.units:
+        if self._plan is None or not self._plan.units:  # NOTE [A layer with nothing to move]
             return
         stream = self.transport.current_stream()
         for unit in self._plan.units:
@@ -467,7 +474,7 @@ class OffloadableLayerState:
         Allowed in any state. Copies still in flight are waited for first (on the
         stream, not the host), so memory is never reused under a running copy.
         """
-        if self._plan is not None and self._plan.units:
+        if self._plan is not None and self._plan.units:  # NOTE [A layer with nothing to move]
             if self._read_order.reads:
                 self._read_order.remember(self._plan)
             stream = self.transport.current_stream()

@@ -54,8 +54,8 @@ class Point:
         """
         if not 0 <= position < 2 * num_layers:
             raise ValueError(
-                f"position must be in [0, {2 * num_layers - 1}] for {num_layers} layers "
-                f"(forwards, then backwards), got {position}"
+                f"position must be in [0, 2 * num_layers - 1] = [0, {2 * num_layers - 1}] for "
+                f"{num_layers} layers (forwards, then backwards), got {position}"
             )
         if position < num_layers:
             return cls(True, position)

@@ -60,15 +60,6 @@ __all__ = [
 # logs why it keeps each one.
 
 
-# NOTE [A layer with nothing to move]
-# A layer of the schedule whose tensors were all kept (nothing eligible: small tensors,
-# weights, a threshold no tensor reaches) still goes through every state at its points,
-# so that the schedule and the state machine stay one, but it touches no stream: no
-# reload call (which would make the copy stream wait for the compute stream), no event,
-# no stream query. Hooks with nothing eligible then cost the host only the Python calls
-# of the points, and the device nothing.
-
-
 _COLLECTING = LayerPhase.NOT_OFFLOADED  # read per saved tensor: a module name is cheaper
 
 
