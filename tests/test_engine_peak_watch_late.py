@@ -358,25 +358,6 @@ def test_a_tensor_rebuilt_from_units_on_both_sides_is_not_split():
     assert torch.equal(got.a, a) and torch.equal(got.b, b)
 
 
-class _FailingSecondCall(HostTransport):
-    """Queues the first call's copies, fails on the second, and logs the waits."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-        self.waited: list[object] = []
-
-    def offload_all(self, copies):
-        self.calls += 1
-        if self.calls == 2:
-            raise RuntimeError("queue failed")
-        super().offload_all(copies)
-        return [("event", self.calls)] * len(copies)
-
-    def wait(self, event, stream=None):
-        self.waited.append(event)
-
-
 class _Tokens(HostTransport):
     """Each ``offload_all`` call's copies share one token (as a CUDA event); waits logged."""
 
@@ -392,6 +373,15 @@ class _Tokens(HostTransport):
 
     def wait(self, event, stream=None):
         self.waited.append(event)
+
+
+class _FailingSecondCall(_Tokens):
+    """Queues the first call's copies and fails on the second."""
+
+    def offload_all(self, copies):
+        if len(self.calls) == 1:
+            raise RuntimeError("queue failed")
+        return super().offload_all(copies)
 
 
 def test_the_layer_s_release_waits_only_for_the_copies_before_the_tail():
