@@ -5,13 +5,12 @@ earlier test left in a reference cycle (``torch.cuda.make_graphed_callables`` ma
 are destroyed whenever the garbage collector runs, which may be inside a later capture.
 Each case runs in a fresh process, since a failed capture leaves CUDA state behind:
 
-* ``none``: no earlier graph (the control);
+* ``none``: no earlier graph;
+* ``kept``: an earlier graph that stays alive through the capture;
 * ``pinned``: an earlier graph that took pinned host memory during its capture (as the
-  offload context does without ``retain_pinned_cpu_buffers``);
-* ``plain``: an earlier graph without host memory.
-
-In each case the earlier graph's last reference goes between two matrix products of the
-new capture.
+  offload context does without ``retain_pinned_cpu_buffers``), whose last reference goes
+  between the two matrix products of the new capture;
+* ``plain``: the same with an earlier graph without host memory.
 
     python benchmarks/graph_destroyed_in_capture.py
 """
@@ -23,7 +22,7 @@ import sys
 
 import torch
 
-CASES = ("none", "pinned", "plain")
+CASES = ("none", "kept", "pinned", "plain")
 
 
 def _earlier_graph(pinned: bool) -> torch.cuda.CUDAGraph:
@@ -41,7 +40,8 @@ def _earlier_graph(pinned: bool) -> torch.cuda.CUDAGraph:
 
 
 def run(case: str) -> str:
-    """Capture two matrix products; between them, the earlier graph of ``case`` dies."""
+    """Capture two matrix products; between them, the earlier graph of ``case`` dies (but
+    for ``none`` and ``kept``)."""
     x = torch.randn(256, 256, device="cuda")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -50,21 +50,26 @@ def run(case: str) -> str:
             (x @ x) @ x
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
-    holder = {} if case == "none" else {"graph": _earlier_graph(case == "pinned")}
+    earlier = None if case == "none" else _earlier_graph(case == "pinned")
+    holder = {"graph": earlier}
+    del earlier
     graph = torch.cuda.CUDAGraph()
     try:
         with torch.cuda.graph(graph):
             y = x @ x
-            holder.clear()  # the earlier graph's last reference
+            if case != "kept":
+                holder.clear()  # the earlier graph's last reference
             y = y @ x
         torch.cuda.synchronize()
-    except Exception as exc:  # noqa: BLE001 - reported, whatever CUDA raised
+    except Exception as exc:  # reported, whatever CUDA raised
         return f"capture failed: {str(exc).splitlines()[0]}"
     return "capture succeeded"
 
 
 def main() -> int:
     if len(sys.argv) > 1:
+        if sys.argv[1] not in CASES:
+            raise SystemExit(f"case must be one of {', '.join(CASES)}, not {sys.argv[1]!r}")
         print(run(sys.argv[1]))
         return 0
     for case in CASES:
@@ -72,7 +77,7 @@ def main() -> int:
             [sys.executable, __file__, case], capture_output=True, text=True, timeout=300
         )
         lines = (done.stdout or done.stderr).strip().splitlines()
-        print(f"{case}: {lines[-1] if lines else f'exit {done.returncode}'}")
+        print(f"{case}: {lines[-1] if lines else ''} (exit {done.returncode})")
     return 0
 
 

@@ -18,15 +18,20 @@ N, K = 6, 2
 
 @pytest.fixture(autouse=True)
 def _no_graph_dies_in_a_capture():
-    """Destroy the graphs earlier tests left in reference cycles before this test captures.
+    """Destroy graphs left in reference cycles before this test captures, and after it.
 
     Destroying a CUDA graph while another is being captured invalidates that capture
-    (``benchmarks/graph_destroyed_in_capture.py``). Graphs in reference cycles
-    (``make_graphed_callables`` makes them) are destroyed whenever the garbage collector
-    runs, which may be inside a later test's capture. Run first in one xdist worker,
-    ``test_make_graphed_callables[False]`` made the next tests' offloaded capture fail
-    so, and with this collection it passes in the same order.
+    (``benchmarks/graph_destroyed_in_capture.py``). ``make_graphed_callables`` leaves its
+    graphs in reference cycles (in the ``autograd.Function`` class it defines, and for a
+    module in its new ``forward``), which the garbage collector destroys whenever it
+    runs, possibly inside a later capture. Run first in one xdist worker,
+    ``test_make_graphed_callables[False]`` was followed by a failed offloaded capture in
+    ``test_capture_memory_saved_as_without_graphs[False]``; with this collection that
+    order passes. Collecting after each test keeps the cycles from the tests of later
+    files too.
     """
+    gc.collect()
+    yield
     gc.collect()
 
 
