@@ -31,11 +31,12 @@ from typing import Any
 
 import torch
 
+from cpu_offload._compat import is_current_stream_capturing
 from cpu_offload._compile import keep_engine_out_of_compile
 
 from ._copies import step_host_subs
 from ._entries import Entry, Sub
-from ._pending import is_writer, mark_pending, unmark_pending, writing
+from ._pending import hand_over, is_writer, mark_pending, unmark_pending, writing
 
 __all__ = ["ForwardOverlap", "UnguardedReadError"]
 
@@ -326,13 +327,54 @@ class _NoWait:
         pass
 
 
+# NOTE [An optimizer collected inside a capture]
+# The overlap state's finalizer runs when the garbage collector frees it, which can be
+# at any allocation, a CUDA graph capture's included (an optimizer in a reference cycle
+# is freed only by the collector). A capture forbids host synchronization: an event's
+# synchronize() there invalidates the capture. So during a capture the finalizer leaves
+# each parameter whose copy back it would wait for pending, behind a _LateLanding that
+# orders the reader's stream after the copy: the first value read after the capture
+# waits as a read during training does, and a read inside the capture is refused (it
+# cannot wait there, and without waiting it could see the old value). A parameter that
+# cannot stay pending (a subclass with its own __torch_function__) is waited for as
+# outside a capture: that fails the capture loudly rather than risk a stale read.
+
+
+class _LateLanding:
+    """The copy back of a parameter whose optimizer was collected during a capture."""
+
+    def __init__(self, event: torch.cuda.Event, device: torch.device) -> None:
+        self.event = event
+        self.device = device
+
+    def wait(self, param: torch.Tensor) -> None:
+        """Order the current stream after the copy, and give ``param`` its class back.
+
+        Raises:
+            RuntimeError: Inside a CUDA graph capture, where no wait is possible.
+        """
+        if is_current_stream_capturing():
+            raise RuntimeError(
+                "HybridDeviceOptimizer: a parameter was read inside a CUDA graph capture "
+                "while its update from an optimizer collected during that capture was "
+                "still being copied back; call the optimizer's synchronize() before "
+                "capturing, or capture after the first forward that follows step()"
+            )
+        unmark_pending(param)
+        torch.cuda.current_stream(self.device).wait_event(self.event)
+
+
 def _close(handles: list[Any], executor: ThreadPoolExecutor, pending: dict[int, Entry]) -> None:
     # The worker holds the optimizer's overlap state while it steps, so this runs once
     # no host step is running (possibly on the worker itself: no join). Parameters no
     # reader waited for get their own class back once their copies back are done.
+    capturing = is_current_stream_capturing()
     for entry in pending.values():
         event = entry.h2d_event
         if event is not None:
+            # NOTE [An optimizer collected inside a capture]
+            if capturing and hand_over(entry.param, _LateLanding(event, entry.param.device).wait):
+                continue
             event.synchronize()
         unmark_pending(entry.param)
     pending.clear()

@@ -31,9 +31,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["is_pending", "is_writer", "mark_pending", "unmark_pending", "writing"]
+__all__ = ["hand_over", "is_pending", "is_writer", "mark_pending", "unmark_pending", "writing"]
 
-#: Attribute of a pending parameter: ``(wait, entry)``, weakly held.
+#: Attribute of a pending parameter: ``(wait, entry)``, weakly held (strongly after
+#: :func:`hand_over`); each called with no argument gives the object.
 _ATTR = "_cpu_offload_pending_update"
 
 # Set on the thread that steps the host buckets: its writes into pending parameters
@@ -206,6 +207,34 @@ def mark_pending(param: torch.Tensor, wait: Callable[[Any], None], entry: Any) -
         param.__dict__.pop(_ATTR, None)
         return False
     return True
+
+
+def hand_over(param: torch.Tensor, wait: Callable[[torch.Tensor], None]) -> bool:
+    """Keep a pending ``param`` pending behind ``wait(param)``, held strongly.
+
+    For a parameter whose optimizer is gone while its update is still to be waited for
+    (the optimizer's ``wait`` is held weakly): ``wait`` must end with
+    :func:`unmark_pending` of ``param``.
+
+    Returns:
+        False if ``param`` is not pending (nothing makes its reads wait).
+    """
+    if not isinstance(param, _PendingUpdate):
+        return False
+    param.__dict__[_ATTR] = (_Held(wait), weakref.ref(param))
+    return True
+
+
+class _Held:
+    """A strong reference with the call of a weak one (``ref()`` gives the object)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __call__(self) -> Any:
+        return self.value
 
 
 def unmark_pending(param: torch.Tensor) -> None:
