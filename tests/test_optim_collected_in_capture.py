@@ -118,9 +118,10 @@ def test_an_optimizer_collected_inside_a_capture_keeps_it_valid() -> None:
     opt = HybridDeviceOptimizer(model.parameters(), overlap_host_step_with_forward=True, **kw)
     plain = HybridDeviceOptimizer(ref.parameters(), **kw)
     x = torch.randn(2, 8, device="cuda")
-    for m, o in ((ref, plain), (model, opt)):
-        m(x).sum().backward()
-        o.step()
+    for stepped, optimizer in ((ref, plain), (model, opt)):
+        stepped(x).sum().backward()
+        optimizer.step()
+    del optimizer
     overlap = opt._overlap
     assert overlap is not None and overlap._future is not None
     overlap._future.result()  # the host step is done: its copies back are queued
