@@ -358,7 +358,8 @@ class _LateLanding:
                 "HybridDeviceOptimizer: a parameter was read inside a CUDA graph capture "
                 "while its update from an optimizer collected during that capture was "
                 "still being copied back; call the optimizer's synchronize() before "
-                "capturing, or capture after the first forward that follows step()"
+                "dropping it or capturing, or capture after the first forward that "
+                "follows step()"
             )
         unmark_pending(param)
         torch.cuda.current_stream(self.device).wait_event(self.event)

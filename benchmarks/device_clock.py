@@ -1,0 +1,152 @@
+"""Whether the device runs faster while the planner profiles it than in steady training.
+
+A GPU held at its power limit (an H200 at 700 W: the SM clock falls from 1980 to about
+1725 MHz within seconds of steady load) clocks higher after a pause. The planner's
+profile times plain steps right after pauses (its host probes) and each layer's device
+time with the stream held back between layers; a training step runs back to back. Three
+measurements on one of ``plan.py``'s workloads (``compare`` by default):
+
+* ``warmup``: plain steps back to back for ``--seconds``, beside ``nvidia-smi``'s SM
+  clock, temperature, power and throttle reasons sampled every 0.5 s;
+* ``pause``: after a pause (two host probes, 0.05, 0.3 or 1 s), eight plain steps, each
+  timed alone; per position, the median over 12 repeats; then 100 steps back to back;
+* ``profile``: ``profile_model``'s per-layer device times and recomputation beside the
+  same times after 2 s of steps (events around each layer, nothing held back), and the
+  recomputation's cost per layer from steady plain steps with every layer recomputed.
+
+    python benchmarks/device_clock.py --what warmup,pause,profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from plan import WORKLOAD_DIMS, _build  # noqa: E402
+
+from cpu_offload import offload_layers  # noqa: E402
+from cpu_offload._layer_stack import find_layers  # noqa: E402
+from cpu_offload.plan import profile_model  # noqa: E402
+from cpu_offload.plan._probe import Clock, host_probe_ms, median_times, plain_step_ms, timed_step  # noqa: E402,E501
+
+WHAT = ("warmup", "pause", "profile")
+Step = Callable[[], torch.Tensor]
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _run_for(step: Step, clock: Clock, seconds: float) -> list[tuple[float, float]]:
+    start, times = time.perf_counter(), []
+    while time.perf_counter() - start < seconds:
+        times.append((time.perf_counter() - start, plain_step_ms(step, clock, 1)))
+    return times
+
+
+def warmup(step: Step, clock: Clock, seconds: float) -> None:
+    query = "timestamp,clocks.sm,temperature.gpu,power.draw,clocks_throttle_reasons.active"
+    smi = subprocess.Popen(
+        ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader", "-lms", "500"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    times = _run_for(step, clock, seconds)
+    smi.terminate()
+    samples = smi.communicate()[0].strip().splitlines()
+    print(f"warmup: {len(times)} steps back to back")
+    for t, ms in times[:: max(1, len(times) // 25)]:
+        print(f"  t={t:6.1f} s  step {ms:6.2f} ms")
+    first = statistics.median(ms for _, ms in times[:10])
+    last = statistics.median(ms for _, ms in times[-50:])
+    print(f"  first 10 steps: median {first:.2f} ms; last 50: {last:.2f} ms")
+    print(f"  nvidia-smi ({query}):")
+    for line in samples[:: max(1, len(samples) // 25)]:
+        print(f"    {line}")
+
+
+def pause(step: Step, clock: Clock) -> None:
+    _run_for(step, clock, 1.0)
+    print("pause: median step ms at positions 1..8 after the pause")
+    for how in ("probe", 0.05, 0.3, 1.0):
+        positions: list[list[float]] = [[] for _ in range(8)]
+        for _ in range(12):
+            torch.cuda.synchronize()
+            if how == "probe":
+                host_probe_ms()
+                host_probe_ms()
+            else:
+                time.sleep(how)
+            for times in positions:
+                times.append(plain_step_ms(step, clock, 1))
+        print(f"  {how!s:>5}: " + " ".join(f"{statistics.median(p):.2f}" for p in positions))
+    steady = [plain_step_ms(step, clock, 1) for _ in range(100)]
+    print(f"  100 steps back to back: median {statistics.median(steady):.2f}")
+
+
+def profile(model: torch.nn.Module, step: Step, clock: Clock) -> None:
+    layers = find_layers(model)
+    n = len(layers)
+    got = profile_model(model, step, steps=3, warmup=2)
+    costs = got.layers
+    print(
+        f"profile: forward {_mean([c.forward_ms for c in costs]):.3f}, backward "
+        f"{_mean([c.backward_ms for c in costs]):.3f}, recompute "
+        f"{_mean([c.recompute_ms or 0.0 for c in costs]):.3f} ms a layer"
+    )
+    _run_for(step, clock, 2.0)
+    runs = [timed_step(layers, step, clock)[1] for _ in range(20)]
+    print(
+        f"after 2 s of steps: forward {_mean(median_times(runs, 'forward')):.3f}, backward "
+        f"{_mean(median_times(runs, 'backward')):.3f} ms a layer"
+    )
+    _run_for(step, clock, 2.0)
+    plain = plain_step_ms(step, clock, 20)
+    with offload_layers(layers, offloaded=(), recomputed=range(n)):
+        _run_for(step, clock, 2.0)
+        every = plain_step_ms(step, clock, 20)
+    _run_for(step, clock, 2.0)
+    plain_again = plain_step_ms(step, clock, 20)
+    extra = (every - (plain + plain_again) / 2) / n
+    print(
+        f"after 2 s of steps: plain {plain:.2f} / {plain_again:.2f} ms, every layer "
+        f"recomputed {every:.2f} ms: +{extra:.3f} ms a layer"
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", default="compare", choices=sorted(WORKLOAD_DIMS))
+    parser.add_argument("--what", default=",".join(WHAT), help=f"any of {', '.join(WHAT)}")
+    parser.add_argument("--seconds", type=float, default=60.0, help="length of warmup")
+    args = parser.parse_args()
+    what = [w for w in args.what.split(",") if w]
+    unknown = sorted(set(what) - set(WHAT))
+    if unknown or not what:
+        parser.error(f"--what: expected any of {', '.join(WHAT)}, got {args.what!r}")
+    if args.seconds <= 0:
+        parser.error(f"--seconds must be > 0, got {args.seconds}")
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA device: it times a GPU's clock")
+    model, step = _build(args.workload, False)
+    clock = Clock(True)
+    if "warmup" in what:
+        warmup(step, clock, args.seconds)
+    if "pause" in what:
+        pause(step, clock)
+    if "profile" in what:
+        profile(model, step, clock)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
