@@ -1,6 +1,6 @@
 """An optimizer with ``overlap_host_step_with_forward`` freed by the garbage collector
 inside a CUDA graph capture (NOTE [An optimizer collected inside a capture] in
-``cpu_offload/optim/_forward_overlap.py``).
+``cpu_offload/optim/_forward_overlap.py``), and a pending parameter read inside one.
 
 Its finalizer must not synchronize there (that invalidates the capture), and the
 parameters whose copies back it would have waited for must still never be read stale:
@@ -24,7 +24,7 @@ import torch
 import cpu_offload.optim._forward_overlap as overlap_module
 from cpu_offload.optim import HybridDeviceOptimizer
 from cpu_offload.optim._entries import Entry
-from cpu_offload.optim._forward_overlap import _close, _LateLanding
+from cpu_offload.optim._forward_overlap import ForwardOverlap, _close, _LateLanding
 from cpu_offload.optim._pending import is_pending, mark_pending
 
 
@@ -107,6 +107,32 @@ def test_late_landing_refuses_a_read_inside_a_capture(monkeypatch: pytest.Monkey
     landing = _LateLanding(_Event(), torch.device("cpu"))  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match="optimizer's synchronize"):
         landing.wait(torch.zeros(1))
+
+
+def test_a_live_optimizer_refuses_a_read_inside_a_capture(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A stream cannot wait inside a capture for a copy queued outside it: the read is
+    # refused before anything changes, and the first read after the capture waits.
+    overlap = ForwardOverlap(None)
+    param = torch.nn.Parameter(torch.zeros(3))
+    entry = Entry(param=param, group=0, host=True, offloaded=True, inner=param, master=False)
+    overlap.track([entry])
+    with overlap._marks:
+        overlap._mark(entry).set()  # its new value is queued: only the copy is left
+    entry.h2d_event = _Event()  # type: ignore[assignment]
+    overlap.cuda_device = torch.device("cpu")
+    _capturing(monkeypatch, True)
+    with pytest.raises(RuntimeError, match=r"inside a CUDA graph capture.*synchronize\(\)"):
+        param.sum()
+    assert is_pending(param) and overlap.busy
+
+    _capturing(monkeypatch, False)
+    stream = _Stream()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    assert param.sum().item() == 0.0
+    assert stream.waited == [entry.h2d_event]
+    assert not is_pending(param) and not overlap.busy
 
 
 @pytest.mark.cuda

@@ -190,7 +190,14 @@ class ForwardOverlap:
     # ------------------------------------------------------------------ waiting
 
     def wait(self, entry: Entry) -> None:
-        """Order the current stream (and the host) after the entry's update."""
+        """Order the current stream (and the host) after the entry's update.
+
+        Raises:
+            RuntimeError: Inside a CUDA graph capture, where no stream may wait for a copy
+                queued outside it (that fails the capture); the parameter stays pending.
+        """
+        if entry.h2d_event is not None and is_current_stream_capturing():
+            raise _read_in_capture()
         landed = entry.landed
         if landed is not None:
             landed.wait()
@@ -340,6 +347,17 @@ class _NoWait:
 # outside a capture: that fails the capture loudly rather than risk a stale read.
 
 
+def _read_in_capture() -> RuntimeError:
+    # A stream waiting inside a capture for an event recorded outside it fails the
+    # capture, and a host synchronization is not allowed there either.
+    return RuntimeError(
+        "HybridDeviceOptimizer: a parameter was read inside a CUDA graph capture while "
+        "its update from the host step (overlap_host_step_with_forward) was still being "
+        "copied back; call the optimizer's synchronize() before capturing (and before "
+        "dropping the optimizer), or capture after the first forward that follows step()"
+    )
+
+
 class _LateLanding:
     """The copy back of a parameter whose optimizer was collected during a capture."""
 
@@ -354,13 +372,7 @@ class _LateLanding:
             RuntimeError: Inside a CUDA graph capture, where no wait is possible.
         """
         if is_current_stream_capturing():
-            raise RuntimeError(
-                "HybridDeviceOptimizer: a parameter was read inside a CUDA graph capture "
-                "while its update from an optimizer collected during that capture was "
-                "still being copied back; call the optimizer's synchronize() before "
-                "dropping it or capturing, or capture after the first forward that "
-                "follows step()"
-            )
+            raise _read_in_capture()
         unmark_pending(param)
         torch.cuda.current_stream(self.device).wait_event(self.event)
 
