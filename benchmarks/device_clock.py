@@ -42,10 +42,6 @@ WHAT = ("warmup", "pause", "profile")
 Step = Callable[[], torch.Tensor]
 
 
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values)
-
-
 def _run_for(step: Step, clock: Clock, seconds: float) -> list[tuple[float, float]]:
     start, times = time.perf_counter(), []
     while time.perf_counter() - start < seconds:
@@ -99,16 +95,15 @@ def profile(model: torch.nn.Module, step: Step, clock: Clock) -> None:
     got = profile_model(model, step, steps=3, warmup=2)
     costs = got.layers
     print(
-        f"profile: forward {_mean([c.forward_ms for c in costs]):.3f}, backward "
-        f"{_mean([c.backward_ms for c in costs]):.3f}, recompute "
-        f"{_mean([c.recompute_ms or 0.0 for c in costs]):.3f} ms a layer"
+        f"profile: forward {statistics.fmean([c.forward_ms for c in costs]):.3f}, backward "
+        f"{statistics.fmean([c.backward_ms for c in costs]):.3f}, recompute "
+        f"{statistics.fmean([c.recompute_ms or 0.0 for c in costs]):.3f} ms a layer"
     )
     _run_for(step, clock, 2.0)
     runs = [timed_step(layers, step, clock)[1] for _ in range(20)]
-    print(
-        f"after 2 s of steps: forward {_mean(median_times(runs, 'forward')):.3f}, backward "
-        f"{_mean(median_times(runs, 'backward')):.3f} ms a layer"
-    )
+    forward = statistics.fmean(median_times(runs, "forward"))
+    backward = statistics.fmean(median_times(runs, "backward"))
+    print(f"after 2 s of steps: forward {forward:.3f}, backward {backward:.3f} ms a layer")
     _run_for(step, clock, 2.0)
     plain = plain_step_ms(step, clock, 20)
     with offload_layers(layers, offloaded=(), recomputed=range(n)):
