@@ -55,16 +55,27 @@ class _Owner:
         raise AssertionError("the collected optimizer's wait was called")
 
 
-def _pending_entry(owner: _Owner) -> Entry:
+def _entry() -> Entry:
     param = torch.nn.Parameter(torch.zeros(3))
-    entry = Entry(param=param, group=0, host=True, offloaded=True, inner=param, master=False)
+    return Entry(param=param, group=0, host=True, offloaded=True, inner=param, master=False)
+
+
+def _pending_entry(owner: _Owner) -> Entry:
+    entry = _entry()
     entry.h2d_event = _Event()  # type: ignore[assignment]
-    assert mark_pending(param, owner.wait, entry)
+    assert mark_pending(entry.param, owner.wait, entry)
     return entry
 
 
 def _capturing(monkeypatch: pytest.MonkeyPatch, value: bool) -> None:
     monkeypatch.setattr(overlap_module, "is_current_stream_capturing", lambda: value)
+
+
+def _reader_stream(monkeypatch: pytest.MonkeyPatch) -> _Stream:
+    """The stream every ``torch.cuda.current_stream()`` gives from now on in this test."""
+    stream = _Stream()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    return stream
 
 
 def test_collected_outside_a_capture_waits_for_the_copies(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -95,8 +106,7 @@ def test_collected_inside_a_capture_leaves_the_read_to_wait(
 
     # The first read after the capture orders its stream after the copy, then runs.
     _capturing(monkeypatch, False)
-    stream = _Stream()
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    stream = _reader_stream(monkeypatch)
     assert param.sum().item() == 0.0
     assert stream.waited == [event]
     assert type(param) is torch.nn.Parameter and not param.__dict__
@@ -115,8 +125,8 @@ def test_a_live_optimizer_refuses_a_read_inside_a_capture(
     # A stream cannot wait inside a capture for a copy queued outside it: the read is
     # refused before anything changes, and the first read after the capture waits.
     overlap = ForwardOverlap(None)
-    param = torch.nn.Parameter(torch.zeros(3))
-    entry = Entry(param=param, group=0, host=True, offloaded=True, inner=param, master=False)
+    entry = _entry()
+    param = entry.param
     overlap.track([entry])
     with overlap._marks:
         overlap._mark(entry).set()  # its new value is queued: only the copy is left
@@ -128,8 +138,7 @@ def test_a_live_optimizer_refuses_a_read_inside_a_capture(
     assert is_pending(param) and overlap.busy
 
     _capturing(monkeypatch, False)
-    stream = _Stream()
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    stream = _reader_stream(monkeypatch)
     assert param.sum().item() == 0.0
     assert stream.waited == [entry.h2d_event]
     assert not is_pending(param) and not overlap.busy
@@ -153,13 +162,13 @@ def test_an_optimizer_collected_inside_a_capture_keeps_it_valid() -> None:
     overlap._future.result()  # the host step is done: its copies back are queued
     assert is_pending(model.weight) and is_pending(model.bias)
     alive = weakref.ref(overlap)
-    cycle: list[Any] = [opt]
-    cycle.append(cycle)  # only the garbage collector frees the optimizer now
-    del opt, overlap, cycle
     static = torch.randn(4, 8, device="cuda")
     graph = torch.cuda.CUDAGraph()
     gc.disable()  # the collection happens inside the capture, not before it
     try:
+        cycle: list[Any] = [opt]
+        cycle.append(cycle)  # only the garbage collector frees the optimizer now
+        del opt, overlap, cycle
         with torch.cuda.graph(graph):
             doubled = static * 2
             assert alive() is not None
