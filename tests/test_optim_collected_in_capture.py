@@ -2,9 +2,10 @@
 inside a CUDA graph capture (NOTE [An optimizer collected inside a capture] in
 ``cpu_offload/optim/_forward_overlap.py``), and a pending parameter read inside one.
 
-Its finalizer must not synchronize there (that invalidates the capture), and the
-parameters whose copies back it would have waited for must still never be read stale:
-they stay pending, and their first read waits for the copy. The CPU tests drive the
+Its finalizer must not synchronize there (that invalidates the capture, from any
+thread), so it never does for a parameter it can leave pending, and those parameters
+must still never be read stale: they stay pending, and their first read waits for the
+copy. The CPU tests drive the
 finalizer with a capture and a stream stood in; the ``cuda`` test runs the real path::
 
     CUBLAS_WORKSPACE_CONFIG=:4096:8 PYTHONPATH=src python -m pytest \\
@@ -25,17 +26,22 @@ import cpu_offload.optim._forward_overlap as overlap_module
 from cpu_offload.optim import HybridDeviceOptimizer
 from cpu_offload.optim._entries import Entry
 from cpu_offload.optim._forward_overlap import ForwardOverlap, _close, _LateLanding
-from cpu_offload.optim._pending import is_pending, mark_pending
+from cpu_offload.optim._pending import is_pending, mark_pending, unmark_pending
 
 
 class _Event:
-    """Stands in for a CUDA event of a copy back; synchronizing it is recorded."""
+    """Stands in for a CUDA event of a copy back; synchronizing it is recorded, with
+    whether the parameter was still pending then (``param`` set by the test)."""
 
-    def __init__(self) -> None:
-        self.synchronized = 0
+    def __init__(self, param: torch.Tensor | None = None, fail: bool = False) -> None:
+        self.param = param
+        self.fail = fail
+        self.synchronized: list[bool] = []
 
     def synchronize(self) -> None:
-        self.synchronized += 1
+        self.synchronized.append(self.param is not None and is_pending(self.param))
+        if self.fail:
+            raise RuntimeError("operation not permitted when stream is capturing")
 
 
 class _Stream:
@@ -51,18 +57,30 @@ class _Stream:
 class _Owner:
     """The optimizer's overlap state as the pending mark sees it: a bound ``wait``."""
 
+    def __init__(self) -> None:
+        self.waited: list[Entry] = []
+
     def wait(self, entry: Entry) -> None:
-        raise AssertionError("the collected optimizer's wait was called")
+        self.waited.append(entry)
+        unmark_pending(entry.param)
 
 
-def _entry() -> Entry:
-    param = torch.nn.Parameter(torch.zeros(3))
+class _OwnFunction(torch.nn.Parameter):
+    """A parameter class with a ``__torch_function__`` of its own: it cannot be marked."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def _entry(param: torch.nn.Parameter | None = None) -> Entry:
+    param = torch.nn.Parameter(torch.zeros(3)) if param is None else param
     return Entry(param=param, group=0, host=True, offloaded=True, inner=param, master=False)
 
 
 def _pending_entry(owner: _Owner) -> Entry:
     entry = _entry()
-    entry.h2d_event = _Event()  # type: ignore[assignment]
+    entry.h2d_event = _Event(entry.param)  # type: ignore[assignment]
     assert mark_pending(entry.param, owner.wait, entry)
     return entry
 
@@ -78,59 +96,139 @@ def _reader_stream(monkeypatch: pytest.MonkeyPatch) -> _Stream:
     return stream
 
 
-def test_collected_outside_a_capture_waits_for_the_copies(monkeypatch: pytest.MonkeyPatch) -> None:
-    _capturing(monkeypatch, False)
-    owner = _Owner()
-    entry = _pending_entry(owner)
-    _close([], overlap_module.ThreadPoolExecutor(1), {id(entry.param): entry})
-    assert entry.h2d_event.synchronized == 1  # type: ignore[union-attr]
-    assert not is_pending(entry.param)
+class _Handle:
+    def __init__(self) -> None:
+        self.removed = False
+
+    def remove(self) -> None:
+        self.removed = True
 
 
-def test_collected_inside_a_capture_leaves_the_read_to_wait(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("capturing", [False, True])
+def test_a_collected_optimizer_leaves_the_read_to_wait(
+    monkeypatch: pytest.MonkeyPatch, capturing: bool
 ) -> None:
-    _capturing(monkeypatch, True)
+    # The finalizer never synchronizes (inside a capture on any thread that fails it):
+    # the parameter stays pending, and its first read waits for the copy on the host.
+    _capturing(monkeypatch, capturing)
     owner = _Owner()
     entry = _pending_entry(owner)
     param, event = entry.param, entry.h2d_event
     _close([], overlap_module.ThreadPoolExecutor(1), {id(param): entry})
     del owner, entry  # as the finalizer leaves them: the optimizer is gone
-    assert event.synchronized == 0  # type: ignore[union-attr]
+    assert event.synchronized == []  # type: ignore[union-attr]
     assert is_pending(param)
 
-    # A value read inside the capture cannot wait there: refused, still pending.
-    with pytest.raises(RuntimeError, match=r"inside a CUDA graph capture.*synchronize\(\)"):
-        param.sum()
-    assert is_pending(param)
+    if capturing:
+        # A value read inside the capture cannot wait there: refused, still pending.
+        with pytest.raises(RuntimeError, match=r"inside a CUDA graph capture.*synchronize\(\)"):
+            param.sum()
+        assert is_pending(param) and event.synchronized == []  # type: ignore[union-attr]
+        _capturing(monkeypatch, False)
 
-    # The first read after the capture orders its stream after the copy, then runs.
-    _capturing(monkeypatch, False)
-    stream = _reader_stream(monkeypatch)
+    # The host waits for the copy while the parameter is still marked (a read on
+    # another thread meanwhile waits too), then the read runs on its own class.
     assert param.sum().item() == 0.0
-    assert stream.waited == [event]
+    assert event.synchronized == [True]  # type: ignore[union-attr]
     assert type(param) is torch.nn.Parameter and not param.__dict__
+
+
+def test_close_hands_every_parameter_over_before_a_failing_synchronize(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A parameter that cannot stay pending is synchronized, after every other one is
+    # handed over; its failure (inside a capture) leaves nothing half closed.
+    _capturing(monkeypatch, True)
+    owner = _Owner()
+    unswappable = _entry(_OwnFunction(torch.zeros(2)))
+    assert not mark_pending(unswappable.param, owner.wait, unswappable)
+    failing = _Event(fail=True)
+    unswappable.h2d_event = failing  # type: ignore[assignment]
+    later = _pending_entry(owner)
+    never_copied = _entry()
+    assert mark_pending(never_copied.param, owner.wait, never_copied)
+    pending = {id(e.param): e for e in (unswappable, later, never_copied)}
+    handles = [_Handle(), _Handle()]
+    executor = overlap_module.ThreadPoolExecutor(1)
+    with pytest.raises(RuntimeError, match="not permitted when stream is capturing"):
+        _close(handles, executor, pending)  # type: ignore[arg-type]
+    assert failing.synchronized == [False]
+    assert is_pending(later.param) and later.h2d_event.synchronized == []  # type: ignore[union-attr]
+    assert not is_pending(never_copied.param)
+    assert not pending and all(h.removed for h in handles)
+    with pytest.raises(RuntimeError, match="shutdown"):
+        executor.submit(print)
 
 
 def test_late_landing_refuses_a_read_inside_a_capture(monkeypatch: pytest.MonkeyPatch) -> None:
     _capturing(monkeypatch, True)
-    landing = _LateLanding(_Event(), torch.device("cpu"))  # type: ignore[arg-type]
+    event = _Event()
+    landing = _LateLanding(event)  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match="optimizer's synchronize"):
         landing.wait(torch.zeros(1))
+    assert event.synchronized == []
 
 
-def test_a_live_optimizer_refuses_a_read_inside_a_capture(
+def test_a_new_optimizer_waits_for_a_collected_ones_copy_first(
     monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _capturing(monkeypatch, False)
+    entry = _pending_entry(_Owner())
+    param, event = entry.param, entry.h2d_event
+    _close([], overlap_module.ThreadPoolExecutor(1), {id(param): entry})
+    assert is_pending(param)
+    # A later optimizer marks it for its own update: the collected one's copy lands
+    # first, and reads then wait for the new update, not for the old copy only.
+    newer = _Owner()
+    again = _entry(param)
+    assert mark_pending(param, newer.wait, again)
+    assert event.synchronized == [True]  # type: ignore[union-attr]
+    assert is_pending(param) and newer.waited == []
+    assert param.sum().item() == 0.0
+    assert newer.waited == [again] and not is_pending(param)
+
+
+def test_the_same_optimizer_marking_again_takes_the_new_entry() -> None:
+    owner = _Owner()
+    first = _pending_entry(owner)
+    second = _entry(first.param)
+    assert mark_pending(first.param, owner.wait, second)
+    assert owner.waited == []  # its own mark: nothing to wait for first
+    first.param.sum()
+    assert owner.waited == [second]
+
+
+class _QueuedOnWait:
+    """A ``landed`` event whose wait returns once the host step queued the copy back."""
+
+    def __init__(self, entry: Entry) -> None:
+        self.entry = entry
+
+    def wait(self) -> None:
+        if self.entry.h2d_event is None:
+            self.entry.h2d_event = _Event()  # type: ignore[assignment]
+
+    def set(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("copy_queued", [True, False])
+def test_a_live_optimizer_refuses_a_read_inside_a_capture(
+    monkeypatch: pytest.MonkeyPatch, copy_queued: bool
 ) -> None:
     # A stream cannot wait inside a capture for a copy queued outside it: the read is
     # refused before anything changes, and the first read after the capture waits.
+    # Not yet queued when the read comes: the host step queues it during the wait.
     overlap = ForwardOverlap(None)
     entry = _entry()
     param = entry.param
     overlap.track([entry])
     with overlap._marks:
-        overlap._mark(entry).set()  # its new value is queued: only the copy is left
-    entry.h2d_event = _Event()  # type: ignore[assignment]
+        overlap._mark(entry)
+    entry.landed = _QueuedOnWait(entry)  # type: ignore[assignment]
+    if copy_queued:
+        entry.h2d_event = _Event()  # type: ignore[assignment]
+    overlap._pending[id(param)] = entry
     overlap.cuda_device = torch.device("cpu")
     _capturing(monkeypatch, True)
     with pytest.raises(RuntimeError, match=r"inside a CUDA graph capture.*synchronize\(\)"):

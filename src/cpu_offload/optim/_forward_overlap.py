@@ -196,11 +196,13 @@ class ForwardOverlap:
             RuntimeError: Inside a CUDA graph capture, where no stream may wait for a copy
                 queued outside it (that fails the capture); the parameter stays pending.
         """
-        if entry.h2d_event is not None and is_current_stream_capturing():
-            raise _read_in_capture()
         landed = entry.landed
         if landed is not None:
             landed.wait()
+        # Checked once the copy is queued (the host step may still run before that):
+        # everything stays as it is, so the first read after the capture waits.
+        if entry.h2d_event is not None and is_current_stream_capturing():
+            raise _read_in_capture()
         # Only this update's mark goes: a reader that waited for one step's update must
         # not unmark the next step's (``landed`` is new for every update). A mark with
         # nothing pending behind it is stale and goes too.
@@ -336,15 +338,20 @@ class _NoWait:
 
 # NOTE [An optimizer collected inside a capture]
 # The overlap state's finalizer runs when the garbage collector frees it, which can be
-# at any allocation, a CUDA graph capture's included (an optimizer in a reference cycle
-# is freed only by the collector). A capture forbids host synchronization: an event's
-# synchronize() there invalidates the capture. So during a capture the finalizer leaves
-# each parameter whose copy back it would wait for pending, behind a _LateLanding that
-# orders the reader's stream after the copy: the first value read after the capture
-# waits as a read during training does, and a read inside the capture is refused (it
-# cannot wait there, and without waiting it could see the old value). A parameter that
-# cannot stay pending (a subclass with its own __torch_function__) is waited for as
-# outside a capture: that fails the capture loudly rather than risk a stale read.
+# at any allocation, on any thread, a CUDA graph capture's included (an optimizer in a
+# reference cycle is freed only by the collector). A capture forbids host
+# synchronization: an event's synchronize() there invalidates it, and in the default
+# (global) capture mode that holds for a synchronize on any thread. So the finalizer
+# never waits for a copy back: it leaves each parameter whose copy back is in flight
+# pending, behind a _LateLanding that holds the copy's event. The first value read
+# waits for the copy on the host (every stream then sees the new value), outside a
+# capture; a read inside one is refused (it cannot wait there, and without waiting it
+# could see the old value). An optimizer that later marks the parameter pending again
+# waits for that copy first (_pending.mark_pending).
+# A parameter that cannot stay pending (a subclass with its own __torch_function__) has
+# nothing to make its reads wait: the finalizer synchronizes its copy, after handing
+# over every other one. Inside a capture that synchronize fails the capture: its error
+# is printed as ignored in the finalizer, and the capture fails when it ends.
 
 
 def _read_in_capture() -> RuntimeError:
@@ -359,39 +366,40 @@ def _read_in_capture() -> RuntimeError:
 
 
 class _LateLanding:
-    """The copy back of a parameter whose optimizer was collected during a capture."""
+    """The copy back of a parameter whose optimizer was collected before it was read."""
 
-    def __init__(self, event: torch.cuda.Event, device: torch.device) -> None:
+    def __init__(self, event: torch.cuda.Event) -> None:
         self.event = event
-        self.device = device
 
     def wait(self, param: torch.Tensor) -> None:
-        """Order the current stream after the copy, and give ``param`` its class back.
+        """Wait on the host for the copy, then give ``param`` its class back.
 
         Raises:
             RuntimeError: Inside a CUDA graph capture, where no wait is possible.
         """
         if is_current_stream_capturing():
             raise _read_in_capture()
+        self.event.synchronize()
         unmark_pending(param)
-        torch.cuda.current_stream(self.device).wait_event(self.event)
 
 
 def _close(handles: list[Any], executor: ThreadPoolExecutor, pending: dict[int, Entry]) -> None:
     # The worker holds the optimizer's overlap state while it steps, so this runs once
-    # no host step is running (possibly on the worker itself: no join). Parameters no
-    # reader waited for get their own class back once their copies back are done.
-    capturing = is_current_stream_capturing()
-    for entry in pending.values():
-        event = entry.h2d_event
-        if event is not None:
-            # NOTE [An optimizer collected inside a capture]
-            if capturing and hand_over(entry.param, _LateLanding(event, entry.param.device).wait):
-                continue
+    # no host step is running (possibly on the worker itself: no join).
+    # NOTE [An optimizer collected inside a capture]
+    unswappable: list[torch.cuda.Event] = []
+    try:
+        for entry in pending.values():
+            event = entry.h2d_event
+            if event is None:
+                unmark_pending(entry.param)  # nothing was copied back: nothing to wait for
+            elif not hand_over(entry.param, _LateLanding(event).wait):
+                unswappable.append(event)
+        for event in unswappable:
             event.synchronize()
-        unmark_pending(entry.param)
-    pending.clear()
-    for handle in handles:
-        handle.remove()
-    handles.clear()
-    executor.shutdown(wait=False)
+    finally:
+        pending.clear()
+        for handle in handles:
+            handle.remove()
+        handles.clear()
+        executor.shutdown(wait=False)

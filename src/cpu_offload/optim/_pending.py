@@ -184,7 +184,9 @@ def mark_pending(param: torch.Tensor, wait: Callable[[Any], None], entry: Any) -
     """Make every value read of ``param`` call ``wait(entry)`` first, once.
 
     ``wait`` must end with :func:`unmark_pending` of ``param`` (unless the parameter was
-    marked again for a later update meanwhile).
+    marked again for a later update meanwhile). A ``param`` already pending behind
+    another object's wait is waited for first; one pending behind the same object's
+    takes the new ``entry``.
 
     Returns:
         False if ``param`` is left as it is: a subclass with a ``__torch_function__`` of
@@ -194,9 +196,15 @@ def mark_pending(param: torch.Tensor, wait: Callable[[Any], None], entry: Any) -
     function = getattr(wait, "__func__", None)
     if owner is None or function is None:
         raise TypeError("wait must be a bound method (held weakly)")
-    original = type(param)
     if isinstance(param, _PendingUpdate):
-        return True
+        if _owner_of(param) is not owner:
+            # Another optimizer's update, or the copy back of a collected one
+            # (hand_over), lands first: its reads would not wait for this one.
+            _wait(param)
+        if isinstance(param, _PendingUpdate):
+            param.__dict__[_ATTR] = (weakref.WeakMethod(wait), weakref.ref(entry))
+            return True
+    original = type(param)
     own = getattr(original, "__torch_function__", None)
     if original is not torch.Tensor and own is not torch._C._disabled_torch_function_impl:
         return False  # a subclass's own override: not ours to turn off
@@ -245,6 +253,13 @@ def unmark_pending(param: torch.Tensor) -> None:
     if original is not None:
         param.__class__ = original
     param.__dict__.pop(_ATTR, None)
+
+
+def _owner_of(param: torch.Tensor) -> Any:
+    """The object whose bound ``wait`` a pending ``param`` calls (None: it is gone)."""
+    wait_ref, _ = param.__dict__.get(_ATTR, (None, None))
+    wait = wait_ref() if wait_ref is not None else None
+    return getattr(wait, "__self__", None)
 
 
 def _wait(param: torch.Tensor) -> None:
