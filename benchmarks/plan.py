@@ -179,6 +179,7 @@ def _alternated(  # type: ignore[no-untyped-def]
     rounds: int,
     steps: int,
     warmup: int,
+    warmup_s: float = 0.0,
 ) -> dict[str, dict]:
     """Each configuration's median step and peak, measured in ``rounds`` rounds that take
     the configurations in turn: a drift of the host's speed during the run then touches
@@ -199,7 +200,9 @@ def _alternated(  # type: ignore[no-untyped-def]
             own = config() if callable(config) else contextlib.nullcontext()
             with own:
                 choices = keep if callable(config) else config
-                ms, peak = measure_choices(model, step, choices, steps=steps, warmup=warmup)
+                ms, peak = measure_choices(
+                    model, step, choices, steps=steps, warmup=warmup, warmup_s=warmup_s
+                )
             probes[label].append(max(before, host_probe_ms()))
             assert peak is not None
             _release_pinned_cache()
@@ -276,10 +279,11 @@ def _run(  # type: ignore[no-untyped-def]
     warmup: int,
     parts: bool = False,
     ks: list[int] | None = None,
+    warmup_s: float = 0.0,
 ) -> dict:
     model, step = _build(name, quick)
     with timed_as_users_train():
-        result = _timed(model, step, name, fractions, rounds, steps, warmup, parts, ks)
+        result = _timed(model, step, name, fractions, rounds, steps, warmup, parts, ks, warmup_s)
     plans = result.pop("plans")
     for row, same in zip(
         (r for r in result["rows"] if "plan" in r), _exact(model, step, plans), strict=True
@@ -298,6 +302,7 @@ def _timed(  # type: ignore[no-untyped-def]
     warmup: int,
     parts: bool = False,
     ks: list[int] | None = None,
+    warmup_s: float = 0.0,
 ) -> dict:
     n = len(find_layers(model))
     keep_choices = [Choice.KEEP] * n
@@ -338,7 +343,7 @@ def _timed(  # type: ignore[no-untyped-def]
     for fraction, _, plan, got in checked:
         if plan is not None:
             configs[f"plan {fraction}"] = list(got["final"].choices)
-    timed = _alternated(model, step, configs, rounds, steps, warmup)
+    timed = _alternated(model, step, configs, rounds, steps, warmup, warmup_s)
 
     keep = estimate(profile, keep_choices)
     singles = {}
@@ -495,12 +500,15 @@ def _spread(round_medians: list[float]) -> float:
     return (max(round_medians) - min(round_medians)) / statistics.median(round_medians)
 
 
-def _markdown(results: list[dict], device: str, rounds: int, steps: int, warmup: int) -> str:
+def _markdown(
+    results: list[dict], device: str, rounds: int, steps: int, warmup: int, warmup_s: float = 0.0
+) -> str:
     gib = 2**30
     out = [
         f"Measured {datetime.date.today().isoformat()} on {device}, torch {torch.__version__}; "
         f"median over {rounds} rounds that take the configurations in turn, each the median "
-        f"of {steps} steps after {warmup} (timed without CUBLAS_WORKSPACE_CONFIG and "
+        f"of {steps} steps after {warmup} and {warmup_s:g} s of untimed steps back to back "
+        "(timed without CUBLAS_WORKSPACE_CONFIG and "
         "deterministic algorithms, as users train); "
         "peak of torch.cuda.max_memory_allocated (the first step's for the model "
         "error, before any tightening by the budget check); budgets are fractions of the "
@@ -560,7 +568,8 @@ def _isolated(name: str, args: argparse.Namespace) -> dict:
     argv = ["--one", name, "--budgets", args.budgets, "--steps", str(args.steps)]
     argv += ["--parts"] if args.parts else []
     argv += ["--ks", args.ks] if args.ks else []
-    argv += ["--warmup", str(args.warmup), "--rounds", str(args.rounds)]
+    argv += ["--warmup", str(args.warmup), "--warmup-s", str(args.warmup_s)]
+    argv += ["--rounds", str(args.rounds)]
     return run_isolated(__file__, argv + (["--quick"] if args.quick else []), {"workload": name})
 
 
@@ -590,6 +599,13 @@ def main() -> int:
         "--warmup", type=int, default=2, help="untimed steps before each configuration's"
     )
     parser.add_argument(
+        "--warmup-s",
+        type=float,
+        default=0.3,
+        help="then untimed steps back to back for this many seconds, so that a GPU at its"
+        " power limit is timed at the pace of steady training (0: none)",
+    )
+    parser.add_argument(
         "--ks",
         help="the k of the single methods (offload or recompute the first k), comma-separated;"
         " every k by default",
@@ -608,11 +624,21 @@ def main() -> int:
         ks = [int(k) for k in args.ks.split(",")] if args.ks else None
     except ValueError:
         parser.error(f"--ks: expected comma-separated integers, got {args.ks!r}")
+    if not 0 <= args.warmup_s < float("inf"):
+        parser.error(f"--warmup-s: expected a number of seconds >= 0, got {args.warmup_s!r}")
     if ks is not None and any(k < 1 for k in ks):
         parser.error(f"--ks: each k must be at least 1, got {args.ks!r}")
     if args.one:
         result = _run(
-            args.one, args.quick, fractions, args.rounds, args.steps, args.warmup, args.parts, ks
+            args.one,
+            args.quick,
+            fractions,
+            args.rounds,
+            args.steps,
+            args.warmup,
+            args.parts,
+            ks,
+            args.warmup_s,
         )
         print(json.dumps(result, default=str))
         return 0
@@ -632,9 +658,9 @@ def main() -> int:
     for name in names:
         print(f"plan benchmark: workload {name}", file=sys.stderr, flush=True)
         results.append(_isolated(name, args))
-        md = _markdown(results, device, args.rounds, args.steps, args.warmup)
+        md = _markdown(results, device, args.rounds, args.steps, args.warmup, args.warmup_s)
         write_reports(args.json, args.markdown, device, results, md, quick=args.quick)
-    print(_markdown(results, device, args.rounds, args.steps, args.warmup))
+    print(_markdown(results, device, args.rounds, args.steps, args.warmup, args.warmup_s))
     return 0 if all("error" not in r for r in results) else 1
 
 

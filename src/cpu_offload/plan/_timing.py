@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .._switch import use_v1
+from ._clock import steady_factor
 from ._parts_host import part_probes, with_part_host
 from ._probe import (
     Clock,
@@ -148,6 +149,9 @@ class HostAndDevice(Together):
     #: recomputation: what :meth:`part_host` measures beside them.
     calm_probe_ms: float | None = None
     recompute = True
+    #: How much slower the device ran plain steps back to back than after a pause
+    #: (:func:`._clock.steady_factor`): its times in the profile are scaled by it.
+    pace_factor = 1.0
     #: What :meth:`profile` measured, so that :meth:`rebuild` can model it again.
     measured: _Measured | None = None
 
@@ -195,16 +199,19 @@ class HostAndDevice(Together):
                     median_times(self._device_times(runs, **every), "backward"), dev_b, strict=True
                 )
             ]
+        # The device's times at the pace of steady training (NOTE [A GPU at its power
+        # limit] in ``_clock.py``): these were timed after pauses or held back.
+        pace = self.pace_factor = steady_factor(self.step, self.clock, self.steps)
         self.measured = _Measured(
             base=base,
             costs=costs,
             rounds=every_round,
             probes=probes,
-            plain_ms=statistics.median(plain_rounds[i] for i in fast),
-            forward_ms=dev_f,
-            backward_ms=dev_b,
-            recompute_ms=rerun,
-            head_ms=statistics.median(r.head_ms for r in device),
+            plain_ms=pace * statistics.median(plain_rounds[i] for i in fast),
+            forward_ms=[pace * ms for ms in dev_f],
+            backward_ms=[pace * ms for ms in dev_b],
+            recompute_ms=[pace * ms for ms in rerun],
+            head_ms=pace * statistics.median(r.head_ms for r in device),
         )
         return self.rebuild(self.HOST_PACE)
 

@@ -12,7 +12,9 @@ Times are measured one of two ways (:mod:`._timing`):
 * *Host and device apart* (the default on CUDA): the host's time per layer (hooks on the
   wall clock) and the device's (CUDA events, the stream held back until the host has
   enqueued the layer), for kept layers, for every layer recomputed, and for half the
-  layers offloaded: what recomputing and offloading add on each side.
+  layers offloaded: what recomputing and offloading add on each side. The device's
+  times are scaled to its pace in plain steps back to back, which a GPU at its power
+  limit runs slower than steps after a pause (:mod:`._clock`).
 * *Together* (the CPU stand-in, or ``host=False``): one time per layer, scaled to a step
   run without hooks; recomputation's cost from a step with every layer recomputed,
   shared out by forward time; offloading adds no compute time.
@@ -34,6 +36,7 @@ from .._layer_stack import find_layers
 from .._link import measure_link
 from ..engine.selection import ActivationPolicy
 from ..v2.context import DEFAULT_MIN_TENSOR_SIZE
+from ._clock import parts_at_pace
 from ._parts_probe import PartsSpec, check_parts_spec, with_parts
 from ._probe import (
     Clock,
@@ -220,6 +223,7 @@ def profile_model(
     if parts is not False:
         profile = with_parts(profile, layers, step, clock, policy, parts, steps)
         if isinstance(measured, HostAndDevice):
+            profile = parts_at_pace(profile, measured.pace_factor)
             profile = measured.part_host(profile)
     return profile
 
@@ -231,6 +235,7 @@ def measure_choices(
     *,
     steps: int = 3,
     warmup: int = 1,
+    warmup_s: float = 0.0,
     **context_kwargs: Any,
 ) -> tuple[float, int | None]:
     """Run ``choices`` for a few steps: median step ms and peak device memory.
@@ -241,6 +246,9 @@ def measure_choices(
         choices: Keep, offload or recompute per layer.
         steps: Timed steps.
         warmup: Untimed steps first.
+        warmup_s: Then more untimed steps, back to back, until this many seconds have
+            passed: a GPU at its power limit runs slower in steady training than right
+            after a pause (NOTE [A GPU at its power limit] in ``plan/_clock.py``).
         **context_kwargs: Passed to :func:`cpu_offload.offload_layers`.
 
     Returns:
@@ -248,7 +256,8 @@ def measure_choices(
         the timed steps on CUDA (static memory included), None on the CPU.
 
     Raises:
-        ValueError: On invalid choices (see :func:`cpu_offload.plan.model.check_choices`).
+        ValueError: On invalid choices (see :func:`cpu_offload.plan.model.check_choices`),
+            or ``warmup_s`` not a number >= 0.
 
     Example:
         >>> layers = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(3)])
@@ -261,28 +270,30 @@ def measure_choices(
     from .costs import offload_layers_arguments
     from .model import check_choices
 
+    if (
+        isinstance(warmup_s, bool)
+        or not isinstance(warmup_s, (int, float))
+        or not warmup_s >= 0  # NaN too
+        or warmup_s == float("inf")
+    ):
+        raise ValueError(f"warmup_s must be a finite number of seconds >= 0, got {warmup_s!r}")
     layers = find_layers(model_or_layers)
     plan = check_choices(choices, len(layers))
     offloaded, recomputed, parts = offload_layers_arguments(plan)
     params = _with_grads(model_or_layers, layers)
     cuda = any(p.is_cuda for p in params)
     clock = Clock(cuda)
-    times = []
     with offload_layers(
         layers, offloaded=offloaded, recomputed=recomputed, parts=parts, **context_kwargs
     ):
-        for i in range(warmup + steps):
-            if i == warmup and cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            if cuda:
-                torch.cuda.synchronize()
-            start = clock.now()
-            step().backward()
-            end = clock.now()
-            if cuda:
-                torch.cuda.synchronize()
-            if i >= warmup:
-                times.append(clock.ms(start, end))
+        for _ in range(warmup):
+            plain_step_ms(step, clock, 1)
+        end = time.perf_counter() + warmup_s
+        while time.perf_counter() < end:
+            plain_step_ms(step, clock, 1)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        times = [plain_step_ms(step, clock, 1) for _ in range(steps)]
     peak = torch.cuda.max_memory_allocated() if cuda else None
     return statistics.median(times), peak

@@ -1,0 +1,84 @@
+"""The device's pace in steady training, against the profile's (NOTE [A GPU at its power
+limit])."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+
+from ._probe import Clock, plain_step_ms
+from .model import Profile
+
+__all__ = ["parts_at_pace", "steady_factor"]
+
+# NOTE [A GPU at its power limit]
+# A GPU that reaches its power limit under steady load lowers its clock, and clocks
+# higher again after any pause: on an H200 at 700 W, compare's plain steps back to back
+# took the SM clock from 1980 to 1680-1845 MHz within 3 s, and the first three steps
+# after a pause of 50 ms to 1 s, or after two host probes, ran 2.5 to 5% faster than
+# back to back (benchmarks/device_clock.py). The profile times the device right after
+# pauses (its host probes) and with the stream held back before each layer, where the
+# device idles; training runs back to back. So beside its rounds the profile times plain
+# steps back to back and right after a pause, in pairs close in time (a slow phase of
+# the host stretches both alike), and scales the device's times by the median ratio. A
+# device that never reaches its limit, or a step the host bounds, reads about 1; a
+# ratio below 1 is noise (a paused device is never slower) and counts as 1.
+
+#: Seconds of plain steps back to back before a steady reading, and the pause before
+#: the reading after it.
+WARM_S = 0.3
+PAUSE_S = 0.05
+
+
+def steady_factor(
+    step: Callable[[], torch.Tensor], clock: Clock, steps: int = 3, pairs: int = 3
+) -> float:
+    """How much slower plain steps run back to back than right after a pause (>= 1).
+
+    Args:
+        step: Runs the forward and returns the loss (its backward is run here).
+        clock: The profile's clock; 1.0 on the CPU stand-in.
+        steps: Steps timed in each reading (their median is kept).
+        pairs: Steady readings and readings after a pause, taken in turns.
+
+    Returns:
+        The median over ``pairs`` of steady over paused, at least 1.0.
+    """
+    if not clock.cuda:
+        return 1.0
+    ratios = []
+    for _ in range(pairs):
+        start = time.perf_counter()
+        while time.perf_counter() - start < WARM_S:
+            plain_step_ms(step, clock, 1)
+        steady = plain_step_ms(step, clock, steps)
+        torch.cuda.synchronize()
+        time.sleep(PAUSE_S)
+        paused = plain_step_ms(step, clock, steps)
+        ratios.append(steady / paused if paused > 0 else 1.0)
+    return max(statistics.median(ratios), 1.0)
+
+
+def parts_at_pace(profile: Profile, factor: float) -> Profile:
+    """``profile`` with its parts' device times multiplied by ``factor``.
+
+    Example:
+        >>> from cpu_offload.plan.costs import LayerCost, PartCost
+        >>> from cpu_offload.plan.model import Link, Profile
+        >>> part = PartCost("mlp", forward_ms=2.0, host_ms=1.0, saved=(), inputs=())
+        >>> layer = LayerCost(1.0, 2.0, 0, 0, 0, parts=(part,))
+        >>> profile = Profile((layer,), Link(1.0, 1.0, 2.0))
+        >>> parts_at_pace(profile, 1.5).layers[0].parts[0].forward_ms
+        3.0
+    """
+    if factor == 1.0:
+        return profile
+    layers = tuple(
+        replace(c, parts=tuple(replace(p, forward_ms=p.forward_ms * factor) for p in c.parts))
+        for c in profile.layers
+    )
+    return replace(profile, layers=layers)

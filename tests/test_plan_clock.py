@@ -1,0 +1,123 @@
+"""The device's pace in steady training (``cpu_offload/plan/_clock.py``, NOTE [A GPU at
+its power limit]): the factor read from plain steps back to back and after a pause, and
+the profile's device times scaled by it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import cpu_offload.plan._clock as clock_module
+import cpu_offload.plan._timing as timing_module
+from cpu_offload.plan import Choice, estimate, profile_model
+from cpu_offload.plan._clock import steady_factor
+from cpu_offload.plan._probe import Clock
+
+LAYERS = 3
+
+
+class _PowerLimited:
+    """Plain steps of a device at its power limit: ``paused_ms`` for the first step
+    after a pause, ``steady_ms`` otherwise; records what ran."""
+
+    def __init__(self, steady_ms: float, paused_ms: float) -> None:
+        self.steady_ms, self.paused_ms = steady_ms, paused_ms
+        self.paused = False
+        self.log: list[str] = []
+
+    def plain(self, step: Any, clock: Clock, steps: int) -> float:
+        self.log.append(f"steps {steps}")
+        ms = self.paused_ms if self.paused else self.steady_ms
+        self.paused = False
+        return ms
+
+    def sleep(self, seconds: float) -> None:
+        self.log.append("pause")
+        self.paused = True
+
+
+def _power_limited(
+    monkeypatch: pytest.MonkeyPatch, steady_ms: float, paused_ms: float
+) -> _PowerLimited:
+    device = _PowerLimited(steady_ms, paused_ms)
+    monkeypatch.setattr(clock_module, "plain_step_ms", device.plain)
+    monkeypatch.setattr(clock_module.time, "sleep", device.sleep)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(clock_module, "WARM_S", 0.01)
+    return device
+
+
+def test_the_factor_is_steady_over_paused_in_pairs(monkeypatch: pytest.MonkeyPatch) -> None:
+    device = _power_limited(monkeypatch, steady_ms=22.0, paused_ms=21.0)
+    factor = steady_factor(lambda: torch.zeros(()), Clock(False, events=False), steps=3)
+    assert factor == 1.0 and device.log == []  # the CPU stand-in has no clock to read
+
+    factor = steady_factor(lambda: torch.zeros(()), _cuda_clock(), steps=3, pairs=2)
+    assert factor == pytest.approx(22.0 / 21.0)
+    # Each pair: steps back to back (at least one), the steady reading, a pause, the
+    # reading after it.
+    readings = [i for i, entry in enumerate(device.log) if entry in ("steps 3", "pause")]
+    assert [device.log[i] for i in readings] == ["steps 3", "pause", "steps 3"] * 2
+    assert device.log[0] == "steps 1" and device.log[readings[3] - 1] == "steps 1"
+
+
+def test_a_paused_device_read_slower_counts_as_steady(monkeypatch: pytest.MonkeyPatch) -> None:
+    _power_limited(monkeypatch, steady_ms=21.0, paused_ms=22.0)
+    assert steady_factor(lambda: torch.zeros(()), _cuda_clock()) == 1.0
+
+
+def _cuda_clock() -> Clock:
+    clock = Clock(False, events=False)
+    clock.cuda = True  # read as CUDA; every device call is stood in
+    return clock
+
+
+@pytest.mark.parametrize("pace", [1.0, 1.25])
+def test_the_profile_scales_the_devices_times_by_the_pace(
+    monkeypatch: pytest.MonkeyPatch, pace: float
+) -> None:
+    # Device times of 1 and 2 ms a layer and a plain step of 100 ms, as the profile
+    # reads them after pauses: the profile holds them at the pace of steady training.
+    real_median = timing_module.median_times
+    fixed = {"forward": 1.0, "backward": 2.0}
+
+    def median_times(runs: Any, key: str) -> list[float]:
+        times = real_median(runs, key)
+        return [fixed[key]] * len(times) if key in fixed else times
+
+    monkeypatch.setattr(timing_module, "median_times", median_times)
+    monkeypatch.setattr(timing_module, "plain_step_ms", lambda step, clock, steps: 100.0)
+    monkeypatch.setattr(timing_module, "steady_factor", lambda step, clock, steps: pace)
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(LAYERS)])
+    x = torch.randn(8, 16)
+    profile = profile_model(
+        model, lambda: model(x).sum(), steps=1, host=True, min_tensor_size_to_offload=64
+    )
+    for cost in profile.layers:
+        assert cost.forward_ms == pytest.approx(pace * 1.0)
+        assert cost.backward_ms == pytest.approx(pace * 2.0)
+    assert estimate(profile, [Choice.KEEP] * LAYERS).step_ms == pytest.approx(pace * 100.0)
+
+
+def test_measure_choices_warms_up_for_the_seconds_asked() -> None:
+    from cpu_offload.plan.profile import measure_choices
+
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(LAYERS)])
+    x = torch.randn(8, 16)
+    calls = []
+
+    def step() -> torch.Tensor:
+        calls.append(None)
+        return model(x).sum()
+
+    measure_choices(model, step, ["keep"] * LAYERS, steps=2, warmup=1)
+    assert len(calls) == 3
+    calls.clear()
+    measure_choices(model, step, ["keep"] * LAYERS, steps=2, warmup=1, warmup_s=0.05)
+    assert len(calls) > 3  # the steps after the one warm-up step, until 50 ms passed
+    for bad in (-1.0, float("nan"), float("inf"), True, "1"):
+        with pytest.raises(ValueError, match=r"warmup_s must be a finite number of seconds"):
+            measure_choices(model, step, ["keep"] * LAYERS, warmup_s=bad)  # type: ignore[arg-type]
