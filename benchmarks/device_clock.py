@@ -12,9 +12,11 @@ measurements on one of ``plan.py``'s workloads (``compare`` by default):
   timed alone; per position, the median over 12 repeats; then 100 steps back to back;
 * ``profile``: ``profile_model``'s per-layer device times and recomputation beside the
   same times after 2 s of steps (events around each layer, nothing held back), and the
-  recomputation's cost per layer from steady plain steps with every layer recomputed.
+  recomputation's cost per layer from steady plain steps with every layer recomputed;
+* ``pace``: the factor by which the profile scales its device times
+  (``cpu_offload.plan._clock.steady_factor``), read five times.
 
-    python benchmarks/device_clock.py --what warmup,pause,profile
+    python benchmarks/device_clock.py --what warmup,pause,profile,pace
 """
 
 from __future__ import annotations
@@ -36,9 +38,10 @@ from plan import WORKLOAD_DIMS, _build  # noqa: E402
 from cpu_offload import offload_layers  # noqa: E402
 from cpu_offload._layer_stack import find_layers  # noqa: E402
 from cpu_offload.plan import profile_model  # noqa: E402
+from cpu_offload.plan._clock import steady_factor  # noqa: E402
 from cpu_offload.plan._probe import Clock, host_probe_ms, median_times, plain_step_ms, timed_step  # noqa: E402,E501
 
-WHAT = ("warmup", "pause", "profile")
+WHAT = ("warmup", "pause", "profile", "pace")
 Step = Callable[[], torch.Tensor]
 
 
@@ -118,6 +121,12 @@ def profile(model: torch.nn.Module, step: Step, clock: Clock) -> None:
     )
 
 
+def pace(step: Step, clock: Clock, repeats: int = 5) -> None:
+    factors = [steady_factor(step, clock) for _ in range(repeats)]
+    shown = ", ".join(f"{f:.3f}" for f in factors)
+    print(f"pace: steady_factor {repeats} times: {shown} (median {statistics.median(factors):.3f})")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", default="compare", choices=sorted(WORKLOAD_DIMS))
@@ -140,6 +149,8 @@ def main() -> int:
         pause(step, clock)
     if "profile" in what:
         profile(model, step, clock)
+    if "pace" in what:
+        pace(step, clock)
     return 0
 
 

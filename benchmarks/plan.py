@@ -429,6 +429,8 @@ def _timed(  # type: ignore[no-untyped-def]
             **timed["none"],
         },
         "link_gbps": [profile.link.d2h_gbps, profile.link.h2d_gbps, profile.link.duplex_gbps],
+        # The device's pace in steady training against the profile's (plan/_clock.py).
+        "pace_factor": runners[0].pace_factor if runners else None,
         # The whole profile, so that a change to the model can be checked against these
         # measurements without the GPU.
         "profile": dataclasses.asdict(profile),
@@ -440,6 +442,11 @@ def _timed(  # type: ignore[no-untyped-def]
 
 
 @contextlib.contextmanager
+def _pace_text(factor: float | None) -> str:
+    """The profile's pace factor (NOTE [A GPU at its power limit]), where recorded."""
+    return "" if factor is None else f"; device times scaled by {factor:.3f} to steady pace"
+
+
 def _runners() -> Iterator[list[HostAndDevice]]:
     """The :class:`HostAndDevice` runners that profile the model inside the block."""
     runners: list[HostAndDevice] = []
@@ -524,7 +531,9 @@ def _markdown(
         out += [
             f"#### Workload {res['workload']}, {res['layers']} layers (no offloading: "
             f"{none[0]:.1f} ms, {none[1] / gib:.2f} GiB; modelled "
-            f"{res['none']['modelled'][0]:.1f} ms, {res['none']['modelled'][1] / gib:.2f} GiB)",
+            f"{res['none']['modelled'][0]:.1f} ms, {res['none']['modelled'][1] / gib:.2f} GiB"
+            + _pace_text(res.get("pace_factor"))
+            + ")",
             "",
             "| budget GiB | plan | modelled ms / GiB | measured ms / GiB | spread of the rounds "
             "| model error step (fastest round) [calm host's model] / peak | exact | best single method at <= peak | its ms / GiB "

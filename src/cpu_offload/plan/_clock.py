@@ -23,10 +23,12 @@ __all__ = ["parts_at_pace", "steady_factor"]
 # back to back (benchmarks/device_clock.py). The profile times the device right after
 # pauses (its host probes) and with the stream held back before each layer, where the
 # device idles; training runs back to back. So beside its rounds the profile times plain
-# steps back to back and right after a pause, in pairs close in time (a slow phase of
-# the host stretches both alike), and scales the device's times by the median ratio. A
-# device that never reaches its limit, or a step the host bounds, reads about 1; a
-# ratio below 1 is noise (a paused device is never slower) and counts as 1.
+# steps back to back and right after a pause, in pairs close in time, and scales the
+# device's times by the median ratio of the fastest steps of each pair: a slow moment of
+# the host makes a step longer, never shorter, so the fastest steps are the least
+# touched by it (a step the host bounds never brings the device to its limit, and should
+# read about 1). A ratio below 1 is noise (a paused device is never slower) and counts
+# as 1.
 
 #: Seconds of plain steps back to back before a steady reading, and the pause before
 #: the reading after it.
@@ -42,12 +44,16 @@ def steady_factor(
     Args:
         step: Runs the forward and returns the loss (its backward is run here).
         clock: The profile's clock; 1.0 on the CPU stand-in.
-        steps: Steps timed in each reading (their median is kept).
+        steps: Steps timed in each reading (the fastest is kept).
         pairs: Steady readings and readings after a pause, taken in turns.
 
     Returns:
         The median over ``pairs`` of steady over paused, at least 1.0.
     """
+
+    def fastest() -> float:
+        return min(plain_step_ms(step, clock, 1) for _ in range(steps))
+
     if not clock.cuda:
         return 1.0
     ratios = []
@@ -55,10 +61,10 @@ def steady_factor(
         start = time.perf_counter()
         while time.perf_counter() - start < WARM_S:
             plain_step_ms(step, clock, 1)
-        steady = plain_step_ms(step, clock, steps)
+        steady = fastest()
         torch.cuda.synchronize()
         time.sleep(PAUSE_S)
-        paused = plain_step_ms(step, clock, steps)
+        paused = fastest()
         ratios.append(steady / paused if paused > 0 else 1.0)
     return max(statistics.median(ratios), 1.0)
 
