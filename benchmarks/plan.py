@@ -441,12 +441,12 @@ def _timed(  # type: ignore[no-untyped-def]
     }
 
 
-@contextlib.contextmanager
 def _pace_text(factor: float | None) -> str:
     """The profile's pace factor (NOTE [A GPU at its power limit]), where recorded."""
     return "" if factor is None else f"; device times scaled by {factor:.3f} to steady pace"
 
 
+@contextlib.contextmanager
 def _runners() -> Iterator[list[HostAndDevice]]:
     """The :class:`HostAndDevice` runners that profile the model inside the block."""
     runners: list[HostAndDevice] = []
