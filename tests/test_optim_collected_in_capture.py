@@ -26,7 +26,13 @@ import cpu_offload.optim._forward_overlap as overlap_module
 from cpu_offload.optim import HybridDeviceOptimizer
 from cpu_offload.optim._entries import Entry
 from cpu_offload.optim._forward_overlap import ForwardOverlap, _close, _LateLanding
-from cpu_offload.optim._pending import is_pending, mark_pending, unmark_pending
+from cpu_offload.optim._pending import (
+    hand_over,
+    is_pending,
+    mark_pending,
+    unmark_pending,
+    wait_for_others,
+)
 
 
 class _Event:
@@ -181,11 +187,110 @@ def test_a_new_optimizer_waits_for_a_collected_ones_copy_first(
     # first, and reads then wait for the new update, not for the old copy only.
     newer = _Owner()
     again = _entry(param)
+    with pytest.raises(RuntimeError, match="another optimizer's update"):
+        mark_pending(param, newer.wait, again)  # not waited for: refused, unchanged
+    assert event.synchronized == []  # type: ignore[union-attr]
+    wait_for_others(param, newer.wait)
+    assert event.synchronized == [True] and not is_pending(param)  # type: ignore[union-attr]
     assert mark_pending(param, newer.wait, again)
-    assert event.synchronized == [True]  # type: ignore[union-attr]
-    assert is_pending(param) and newer.waited == []
     assert param.sum().item() == 0.0
     assert newer.waited == [again] and not is_pending(param)
+
+
+def test_a_late_reader_leaves_a_newer_mark(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A reader waiting on the host for the collected optimizer's copy while a new
+    # optimizer marks the parameter for its own update must not take that mark away.
+    _capturing(monkeypatch, False)
+    entry = _pending_entry(_Owner())
+    param = entry.param
+    landing = _LateLanding(_Event(param))  # type: ignore[arg-type]
+    assert hand_over(param, entry, landing.wait)
+    newer = _Owner()
+    again = _entry(param)
+    unmark_pending(param, param)  # as the reader's wait would, after the copy landed
+    assert mark_pending(param, newer.wait, again)
+    landing.wait(param)  # the reader's own unmark comes late
+    assert is_pending(param)
+    param.sum()
+    assert newer.waited == [again]
+
+
+def test_close_leaves_another_updates_mark(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The collected optimizer's entry is still in its pending map, but the parameter was
+    # marked for another optimizer's update since: the finalizer leaves that mark.
+    _capturing(monkeypatch, False)
+    old = _entry()
+    old.h2d_event = _Event()  # type: ignore[assignment]
+    newer = _Owner()
+    again = _entry(old.param)
+    assert mark_pending(old.param, newer.wait, again)
+    for h2d_event in (old.h2d_event, None):
+        old.h2d_event = h2d_event
+        _close([], overlap_module.ThreadPoolExecutor(1), {id(old.param): old})
+        assert is_pending(old.param)
+        assert old.h2d_event is None or old.h2d_event.synchronized == []  # type: ignore[attr-defined]
+    old.param.sum()
+    assert newer.waited == [again]
+
+
+def test_close_waits_for_every_unmarked_copy_and_raises_the_first_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _capturing(monkeypatch, True)
+    entries = [_entry(_OwnFunction(torch.zeros(2))) for _ in range(2)]
+    events = [_Event(fail=True), _Event(fail=True)]
+    for entry, event in zip(entries, events, strict=True):
+        entry.h2d_event = event  # type: ignore[assignment]
+    with pytest.raises(RuntimeError, match="not permitted"):
+        _close([], overlap_module.ThreadPoolExecutor(1), {id(e.param): e for e in entries})
+    assert [e.synchronized for e in events] == [[False], [False]]
+
+
+def test_a_failed_marking_leaves_nothing_waiting(monkeypatch: pytest.MonkeyPatch) -> None:
+    # step() marks every parameter before it submits the host step: a failure half way
+    # leaves none pending (a reader would wait for a host step never submitted).
+    overlap = ForwardOverlap(None)
+    entries = [_entry() for _ in range(3)]
+    overlap.track(entries)
+    real = overlap_module.mark_pending
+
+    def failing(param: torch.Tensor, wait: Any, entry: Entry) -> bool:
+        if entry is entries[2]:
+            raise RuntimeError("marked on another thread")
+        return real(param, wait, entry)
+
+    monkeypatch.setattr(overlap_module, "mark_pending", failing)
+    for entry in entries:
+        entry.h2d_event = _Event()  # type: ignore[assignment]
+    with pytest.raises(RuntimeError, match="marked on another thread"):
+        overlap.mark_queued(entries)
+    assert not overlap.busy and not any(is_pending(e.param) for e in entries)
+    assert all(e.landed is None or e.landed.is_set() for e in entries)
+    assert not any(e.unguarded for e in entries)
+    overlap.wait_all()  # returns: nothing left to wait for
+
+
+def test_another_optimizers_update_is_waited_for_outside_the_lock() -> None:
+    # Its wait takes its own lock: waited for under this optimizer's, two optimizers
+    # marking each other's parameters on two threads could deadlock.
+    overlap = ForwardOverlap(None)
+    entry = _entry()
+    overlap.track([entry])
+    seen: list[bool] = []
+
+    class _Other:
+        def wait(self, other_entry: Entry) -> None:
+            seen.append(overlap._marks.locked())
+            unmark_pending(other_entry.param)
+
+    other, other_entry = _Other(), _entry(entry.param)
+    assert mark_pending(entry.param, other.wait, other_entry)
+    entry.h2d_event = _Event()  # type: ignore[assignment]
+    overlap.mark_queued([entry])
+    assert seen == [False]
+    assert is_pending(entry.param) and overlap.busy
+    overlap.wait_all()
+    assert not is_pending(entry.param)
 
 
 def test_the_same_optimizer_marking_again_takes_the_new_entry() -> None:

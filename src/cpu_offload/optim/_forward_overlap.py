@@ -36,7 +36,15 @@ from cpu_offload._compile import keep_engine_out_of_compile
 
 from ._copies import step_host_subs
 from ._entries import Entry, Sub
-from ._pending import hand_over, is_writer, mark_pending, unmark_pending, writing
+from ._pending import (
+    hand_over,
+    is_pending,
+    is_writer,
+    mark_pending,
+    unmark_pending,
+    wait_for_others,
+    writing,
+)
 
 __all__ = ["ForwardOverlap", "UnguardedReadError"]
 
@@ -266,10 +274,7 @@ class ForwardOverlap:
 
     def submit(self, subs: Sequence[Sub], h2d: torch.cuda.Stream | None) -> None:
         """Step ``subs`` on the worker, in order, each entry's copy back as it is done."""
-        with self._marks:
-            for sub in subs:
-                for entry in sub.entries:
-                    self._mark(entry)
+        self._mark_all([entry for sub in subs for entry in sub.entries])
         self._future = self._executor.submit(self._run, list(subs), h2d)
 
     def mark_queued(self, entries: Sequence[Entry]) -> None:
@@ -279,18 +284,38 @@ class ForwardOverlap:
         queued by the time ``step()`` returns, so ``landed`` is set at once and a reader
         waits only for ``h2d_event`` on its stream.
         """
+        stepped = [entry for entry in entries if entry.h2d_event is not None]  # a gradient
+        for landed in self._mark_all(stepped):
+            landed.set()
+
+    def _mark_all(self, entries: Sequence[Entry]) -> list[threading.Event]:
+        """Make the entries' parameters pending, each behind a new ``landed`` event, all
+        or none (a failure leaves no reader waiting for a host step never submitted)."""
+        for entry in entries:
+            # Another optimizer's update of the same parameter lands first; its wait
+            # takes its own lock, so not under ours.
+            wait_for_others(entry.param, self.wait)
+        marked: list[threading.Event] = []
         with self._marks:
-            for entry in entries:
-                if entry.h2d_event is None:
-                    continue  # no gradient: not stepped
-                self._mark(entry).set()
+            try:
+                for entry in entries:
+                    marked.append(self._mark(entry))
+            except BaseException:
+                for entry in entries[: len(marked)]:
+                    self._pending.pop(id(entry.param), None)
+                    entry.unguarded = False
+                    unmark_pending(entry.param, entry)
+                    if entry.landed is not None:
+                        entry.landed.set()
+                raise
+        return marked
 
     def _mark(self, entry: Entry) -> threading.Event:
         """Make ``entry``'s parameter pending behind a new ``landed`` event (under ``_marks``)."""
+        mark_pending(entry.param, self.wait, entry)  # first: it may raise
         entry.landed = threading.Event()
         entry.unguarded = True
         self._pending[id(entry.param)] = entry
-        mark_pending(entry.param, self.wait, entry)
         return entry.landed
 
     def _run(self, subs: list[Sub], h2d: torch.cuda.Stream | None) -> dict[str, float]:
@@ -342,12 +367,13 @@ class _NoWait:
 # reference cycle is freed only by the collector). A capture forbids host
 # synchronization: an event's synchronize() there invalidates it, and in the default
 # (global) capture mode that holds for a synchronize on any thread. So the finalizer
-# never waits for a copy back: it leaves each parameter whose copy back is in flight
+# never waits for a copy back: it leaves each parameter whose copy back may be in flight
 # pending, behind a _LateLanding that holds the copy's event. The first value read
 # waits for the copy on the host (every stream then sees the new value), outside a
 # capture; a read inside one is refused (it cannot wait there, and without waiting it
 # could see the old value). An optimizer that later marks the parameter pending again
-# waits for that copy first (_pending.mark_pending).
+# waits for that copy first (_pending.wait_for_others), and a reader that waited for the
+# copy leaves that optimizer's mark in place (it unmarks only the mark it waited for).
 # A parameter that cannot stay pending (a subclass with its own __torch_function__) has
 # nothing to make its reads wait: the finalizer synchronizes its copy, after handing
 # over every other one. Inside a capture that synchronize fails the capture: its error
@@ -372,15 +398,23 @@ class _LateLanding:
         self.event = event
 
     def wait(self, param: torch.Tensor) -> None:
-        """Wait on the host for the copy, then give ``param`` its class back.
+        """Wait on the host for the copy, then give ``param`` its class back (unless a
+        later update marked it meanwhile).
 
         Raises:
             RuntimeError: Inside a CUDA graph capture, where no wait is possible.
         """
         if is_current_stream_capturing():
-            raise _read_in_capture()
+            raise RuntimeError(
+                "HybridDeviceOptimizer: a parameter was read inside a CUDA graph capture "
+                "while the update from the host step of an optimizer that has since been "
+                "freed (overlap_host_step_with_forward) may still be copied back; read "
+                "each of its parameters once before capturing (any value read, such as "
+                "param.detach().clone(), waits for the copy), or call the optimizer's "
+                "synchronize() before dropping it"
+            )
         self.event.synchronize()
-        unmark_pending(param)
+        unmark_pending(param, param)  # the mark hand_over left: its entry is the param
 
 
 def _close(handles: list[Any], executor: ThreadPoolExecutor, pending: dict[int, Entry]) -> None:
@@ -388,18 +422,25 @@ def _close(handles: list[Any], executor: ThreadPoolExecutor, pending: dict[int, 
     # no host step is running (possibly on the worker itself: no join).
     # NOTE [An optimizer collected inside a capture]
     unswappable: list[torch.cuda.Event] = []
+    errors: list[BaseException] = []
     try:
         for entry in pending.values():
-            event = entry.h2d_event
+            param, event = entry.param, entry.h2d_event
             if event is None:
-                unmark_pending(entry.param)  # nothing was copied back: nothing to wait for
-            elif not hand_over(entry.param, _LateLanding(event).wait):
-                unswappable.append(event)
+                unmark_pending(param, entry)  # nothing was copied back: nothing to wait for
+            elif not hand_over(param, entry, _LateLanding(event).wait) and not is_pending(param):
+                unswappable.append(event)  # nothing makes its reads wait
+            # (pending behind another update's mark: that update's reads wait for it)
         for event in unswappable:
-            event.synchronize()
+            try:
+                event.synchronize()
+            except Exception as exc:  # each one is still waited for; the first is raised
+                errors.append(exc)
     finally:
         pending.clear()
         for handle in handles:
             handle.remove()
         handles.clear()
         executor.shutdown(wait=False)
+    if errors:
+        raise errors[0]

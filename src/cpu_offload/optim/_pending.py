@@ -31,11 +31,24 @@ from typing import Any
 
 import torch
 
-__all__ = ["hand_over", "is_pending", "is_writer", "mark_pending", "unmark_pending", "writing"]
+__all__ = [
+    "hand_over",
+    "is_pending",
+    "is_writer",
+    "mark_pending",
+    "unmark_pending",
+    "wait_for_others",
+    "writing",
+]
 
 #: Attribute of a pending parameter: ``(wait, entry)``, weakly held (strongly after
 #: :func:`hand_over`); each called with no argument gives the object.
 _ATTR = "_cpu_offload_pending_update"
+
+# Every change of a parameter's mark (its pending class and _ATTR) and every check of
+# whose mark it is, together: readers and optimizers on other threads change them too.
+# Innermost: nothing is called out to while it is held.
+_SWAP = threading.Lock()
 
 # Set on the thread that steps the host buckets: its writes into pending parameters
 # must not wait for themselves (see :func:`writing`).
@@ -184,52 +197,75 @@ def mark_pending(param: torch.Tensor, wait: Callable[[Any], None], entry: Any) -
     """Make every value read of ``param`` call ``wait(entry)`` first, once.
 
     ``wait`` must end with :func:`unmark_pending` of ``param`` (unless the parameter was
-    marked again for a later update meanwhile). A ``param`` already pending behind
-    another object's wait is waited for first; one pending behind the same object's
-    takes the new ``entry``.
+    marked again for a later update meanwhile). A ``param`` already pending behind the
+    same object's wait takes the new ``entry``; one pending behind another object's must
+    be waited for first (:func:`wait_for_others`, with no lock held).
 
     Returns:
         False if ``param`` is left as it is: a subclass with a ``__torch_function__`` of
         its own, or a class that cannot be swapped.
+
+    Raises:
+        TypeError: If ``wait`` is not a bound method.
+        RuntimeError: If ``param`` is pending behind another object's wait (marked again
+            on another thread since :func:`wait_for_others` returned).
     """
     owner = getattr(wait, "__self__", None)
     function = getattr(wait, "__func__", None)
     if owner is None or function is None:
         raise TypeError("wait must be a bound method (held weakly)")
-    if isinstance(param, _PendingUpdate):
-        if _owner_of(param) is not owner:
-            # Another optimizer's update, or the copy back of a collected one
-            # (hand_over), lands first: its reads would not wait for this one.
-            _wait(param)
+    mark = (weakref.WeakMethod(wait), weakref.ref(entry))
+    with _SWAP:
         if isinstance(param, _PendingUpdate):
-            param.__dict__[_ATTR] = (weakref.WeakMethod(wait), weakref.ref(entry))
+            if _owner_of(param) is not owner:
+                raise RuntimeError(
+                    "HybridDeviceOptimizer: a parameter is still waiting for another "
+                    "optimizer's update from the host; step one optimizer per parameter, "
+                    "or call the other optimizer's synchronize() first"
+                )
+            param.__dict__[_ATTR] = mark
             return True
-    original = type(param)
-    own = getattr(original, "__torch_function__", None)
-    if original is not torch.Tensor and own is not torch._C._disabled_torch_function_impl:
-        return False  # a subclass's own override: not ours to turn off
-    try:
-        param.__dict__[_ATTR] = (weakref.WeakMethod(wait), weakref.ref(entry))
-        param.__class__ = _pending_class(original)
-    except TypeError:
-        param.__dict__.pop(_ATTR, None)
-        return False
+        original = type(param)
+        own = getattr(original, "__torch_function__", None)
+        if original is not torch.Tensor and own is not torch._C._disabled_torch_function_impl:
+            return False  # a subclass's own override: not ours to turn off
+        try:
+            param.__dict__[_ATTR] = mark
+            param.__class__ = _pending_class(original)
+        except TypeError:
+            param.__dict__.pop(_ATTR, None)
+            return False
     return True
 
 
-def hand_over(param: torch.Tensor, wait: Callable[[torch.Tensor], None]) -> bool:
-    """Keep a pending ``param`` pending behind ``wait(param)``, held strongly.
+def wait_for_others(param: torch.Tensor, wait: Callable[[Any], None]) -> None:
+    """Wait until ``param`` is not pending behind another object's wait than ``wait``'s.
+
+    Before :func:`mark_pending`, with no lock held (another optimizer's wait takes its
+    own): an update still in flight from another optimizer, or the copy back of a
+    collected one (:func:`hand_over`), lands first, so that reads never wait for the old
+    update only. Whatever that wait raises propagates.
+    """
+    owner = getattr(wait, "__self__", None)
+    while isinstance(param, _PendingUpdate) and _owner_of(param) is not owner:
+        _wait(param)
+
+
+def hand_over(param: torch.Tensor, entry: Any, wait: Callable[[torch.Tensor], None]) -> bool:
+    """Keep ``param``, pending behind ``entry``, pending behind ``wait(param)``, held strongly.
 
     For a parameter whose optimizer is gone while its update is still to be waited for
     (the optimizer's ``wait`` is held weakly): ``wait`` must end with
-    :func:`unmark_pending` of ``param``.
+    ``unmark_pending(param, param)``.
 
     Returns:
-        False if ``param`` is not pending (nothing makes its reads wait).
+        False if ``param`` is not pending behind ``entry`` (nothing makes its reads wait,
+        or another update's mark does).
     """
-    if not isinstance(param, _PendingUpdate):
-        return False
-    param.__dict__[_ATTR] = (_Held(wait), weakref.ref(param))
+    with _SWAP:
+        if not isinstance(param, _PendingUpdate) or _entry_of(param) is not entry:
+            return False
+        param.__dict__[_ATTR] = (_Held(wait), weakref.ref(param))
     return True
 
 
@@ -245,14 +281,23 @@ class _Held:
         return self.value
 
 
-def unmark_pending(param: torch.Tensor) -> None:
-    """Give ``param`` its own class back (a no-op if it is not pending)."""
-    # Two readers on two threads may both get here: whichever comes second finds the
-    # own class already back (not a pending class) and leaves it.
-    original = _ORIGINAL_CLASSES.get(type(param))
-    if original is not None:
-        param.__class__ = original
-    param.__dict__.pop(_ATTR, None)
+def unmark_pending(param: torch.Tensor, entry: Any = None) -> None:
+    """Give ``param`` its own class back (a no-op if it is not pending).
+
+    Args:
+        param: The parameter.
+        entry: Only if ``param`` is pending behind this entry (what its wait is called
+            with): a reader that waited for one update leaves a later update's mark.
+    """
+    with _SWAP:
+        if entry is not None and _entry_of(param) is not entry:
+            return
+        # Two readers on two threads may both get here: whichever comes second finds the
+        # own class already back (not a pending class) and leaves it.
+        original = _ORIGINAL_CLASSES.get(type(param))
+        if original is not None:
+            param.__class__ = original
+        param.__dict__.pop(_ATTR, None)
 
 
 def _owner_of(param: torch.Tensor) -> Any:
@@ -260,6 +305,12 @@ def _owner_of(param: torch.Tensor) -> Any:
     wait_ref, _ = param.__dict__.get(_ATTR, (None, None))
     wait = wait_ref() if wait_ref is not None else None
     return getattr(wait, "__self__", None)
+
+
+def _entry_of(param: torch.Tensor) -> Any:
+    """What a pending ``param``'s wait is called with (None: not pending, or gone)."""
+    _, entry_ref = param.__dict__.get(_ATTR, (None, None))
+    return entry_ref() if entry_ref is not None else None
 
 
 def _wait(param: torch.Tensor) -> None:
