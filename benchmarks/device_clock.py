@@ -122,6 +122,7 @@ def profile(model: torch.nn.Module, step: Step, clock: Clock) -> None:
 
 
 def pace(step: Step, clock: Clock, repeats: int = 5) -> None:
+    """Print what ``steady_factor`` reads, ``repeats`` times: its spread on this device."""
     factors = [steady_factor(step, clock) for _ in range(repeats)]
     shown = ", ".join(f"{f:.3f}" for f in factors)
     print(f"pace: steady_factor {repeats} times: {shown} (median {statistics.median(factors):.3f})")

@@ -69,6 +69,7 @@ from cpu_offload.plan import (  # noqa: E402
     search,
     single_methods,
 )
+from cpu_offload.plan._clock import WARMUP_S  # noqa: E402
 from cpu_offload.plan._probe import host_probe_ms  # noqa: E402
 from cpu_offload.plan._rounds import calm, calm_reference  # noqa: E402
 from cpu_offload.plan._timing import HostAndDevice  # noqa: E402
@@ -610,7 +611,7 @@ def main() -> int:
     parser.add_argument(
         "--warmup-s",
         type=float,
-        default=0.3,
+        default=WARMUP_S,
         help="then untimed steps back to back for this many seconds, so that a GPU at its"
         " power limit is timed at the pace of steady training (0: none)",
     )

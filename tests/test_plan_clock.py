@@ -4,6 +4,7 @@ the profile's device times scaled by it."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -46,7 +47,6 @@ def _power_limited(
     monkeypatch.setattr(clock_module, "plain_step_ms", device.plain)
     monkeypatch.setattr(clock_module.time, "sleep", device.sleep)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    monkeypatch.setattr(clock_module, "WARM_S", 0.01)
     return device
 
 
@@ -55,7 +55,7 @@ def test_the_factor_is_steady_over_paused_in_pairs(monkeypatch: pytest.MonkeyPat
     factor = steady_factor(lambda: torch.zeros(()), Clock(False, events=False), steps=3)
     assert factor == 1.0 and device.log == []  # the CPU stand-in has no clock to read
 
-    factor = steady_factor(lambda: torch.zeros(()), _cuda_clock(), steps=3, pairs=2)
+    factor = steady_factor(lambda: torch.zeros(()), _cuda_clock(), steps=3, pairs=2, warm_s=0.01)
     assert factor == pytest.approx(22.0 / 21.0)
     # Each pair: steps back to back (the warm-up, then the steady reading), a pause, the
     # reading after it.
@@ -71,14 +71,30 @@ def test_a_slow_host_moment_does_not_move_the_factor(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(clock_module, "plain_step_ms", lambda step, clock, steps: next(times))
     monkeypatch.setattr(clock_module.time, "sleep", lambda seconds: None)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    monkeypatch.setattr(clock_module, "WARM_S", 0.0)  # no warm-up steps: the readings only
-    factor = steady_factor(lambda: torch.zeros(()), _cuda_clock(), steps=3, pairs=1)
+    # No warm-up steps: the readings only.
+    factor = steady_factor(lambda: torch.zeros(()), _cuda_clock(), steps=3, pairs=1, warm_s=0.0)
     assert factor == pytest.approx(22.0 / 21.0)
 
 
 def test_a_paused_device_read_slower_counts_as_steady(monkeypatch: pytest.MonkeyPatch) -> None:
     _power_limited(monkeypatch, steady_ms=21.0, paused_ms=22.0)
     assert steady_factor(lambda: torch.zeros(()), _cuda_clock()) == 1.0
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "allowed"),
+    [
+        ("steps", 0, "an int >= 1"),
+        ("pairs", 1.5, "an int >= 1"),
+        ("pairs", True, "an int >= 1"),
+        ("warm_s", -0.1, "a finite number of seconds >= 0"),
+        ("pause_s", float("nan"), "a finite number of seconds >= 0"),
+        ("warm_s", float("inf"), "a finite number of seconds >= 0"),
+    ],
+)
+def test_bad_arguments_are_refused_by_name(name: str, value: Any, allowed: str) -> None:
+    with pytest.raises(ValueError, match=f"{name} must be {allowed}, got"):
+        steady_factor(lambda: torch.zeros(()), _cuda_clock(), **{name: value})
 
 
 def _cuda_clock() -> Clock:
@@ -91,16 +107,31 @@ def _cuda_clock() -> Clock:
 def test_the_profile_scales_the_devices_times_by_the_pace(
     monkeypatch: pytest.MonkeyPatch, pace: float
 ) -> None:
-    # Device times of 1 and 2 ms a layer and a plain step of 100 ms, as the profile
-    # reads them after pauses: the profile holds them at the pace of steady training.
+    # Device times of 1 ms forward, 2 ms backward (3 ms with every layer recomputed:
+    # recomputation 1 ms), a head of 0.5 ms and a plain step of 100 ms, as the profile
+    # reads them after pauses: the profile holds them at the pace of steady training,
+    # and its calm-host rebuild does not scale them again.
     real_median = timing_module.median_times
-    fixed = {"forward": 1.0, "backward": 2.0}
+    real_device_times = timing_module.HostAndDevice._device_times
+    backward = iter([2.0, 3.0])
+    runners: list[Any] = []
 
     def median_times(runs: Any, key: str) -> list[float]:
         times = real_median(runs, key)
-        return [fixed[key]] * len(times) if key in fixed else times
+        fixed = {"forward": 1.0}.get(key)
+        if key == "backward" and runs and runs[0] is not None and runs[0].head_ms == 0.5:
+            fixed = next(backward)
+        return [fixed] * len(times) if fixed is not None else times
+
+    def device_times(self: Any, host_runs: Any, **kwargs: Any) -> Any:
+        runners.append(self)
+        runs = real_device_times(self, host_runs, **kwargs)
+        for run in runs:
+            run.head_ms = 0.5
+        return runs
 
     monkeypatch.setattr(timing_module, "median_times", median_times)
+    monkeypatch.setattr(timing_module.HostAndDevice, "_device_times", device_times)
     monkeypatch.setattr(timing_module, "plain_step_ms", lambda step, clock, steps: 100.0)
     monkeypatch.setattr(timing_module, "steady_factor", lambda step, clock, steps: pace)
     model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(LAYERS)])
@@ -108,10 +139,15 @@ def test_the_profile_scales_the_devices_times_by_the_pace(
     profile = profile_model(
         model, lambda: model(x).sum(), steps=1, host=True, min_tensor_size_to_offload=64
     )
-    for cost in profile.layers:
-        assert cost.forward_ms == pytest.approx(pace * 1.0)
-        assert cost.backward_ms == pytest.approx(pace * 2.0)
-    assert estimate(profile, [Choice.KEEP] * LAYERS).step_ms == pytest.approx(pace * 100.0)
+    runner = runners[0]
+    for got in (profile, runner.rebuild("calm")):
+        for cost in got.layers:
+            assert cost.forward_ms == pytest.approx(pace * 1.0)
+            assert cost.backward_ms == pytest.approx(pace * 2.0)
+            assert cost.recompute_ms == pytest.approx(pace * 1.0)
+        assert got.head_ms == pytest.approx(pace * 0.5)
+        assert estimate(got, [Choice.KEEP] * LAYERS).step_ms == pytest.approx(pace * 100.0)
+    assert runner.pace_factor == pace
 
 
 def test_measure_choices_warms_up_for_the_seconds_asked() -> None:
@@ -119,17 +155,18 @@ def test_measure_choices_warms_up_for_the_seconds_asked() -> None:
 
     model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(LAYERS)])
     x = torch.randn(8, 16)
-    calls = []
+    calls: list[float] = []
 
     def step() -> torch.Tensor:
-        calls.append(None)
+        calls.append(time.perf_counter())
         return model(x).sum()
 
     measure_choices(model, step, ["keep"] * LAYERS, steps=2, warmup=1)
     assert len(calls) == 3
     calls.clear()
     measure_choices(model, step, ["keep"] * LAYERS, steps=2, warmup=1, warmup_s=0.05)
-    assert len(calls) > 3  # the steps after the one warm-up step, until 50 ms passed
+    # One warm-up step, then steps until 50 ms passed, then the two timed ones.
+    assert len(calls) > 3 and calls[-2] - calls[1] >= 0.05
     for bad in (-1.0, float("nan"), float("inf"), True, "1"):
         with pytest.raises(ValueError, match=r"warmup_s must be a finite number of seconds"):
             measure_choices(model, step, ["keep"] * LAYERS, warmup_s=bad)  # type: ignore[arg-type]

@@ -148,6 +148,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: Sequen
     import torch
 
     from ..compare.workload import spec_workload
+    from ..plan._clock import WARMUP_S
     from ..plan.io import PlanFileError, choice_to_json, load_plan, save_plan
     from ..plan.methods import best_single_methods, part_methods, single_methods
     from ..plan.model import Choice, estimate
@@ -224,8 +225,15 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: Sequen
         row["measured"] = (None, None)
         if not args.no_measure:
             progress(f"running {row['name']}")
+            # At the pace the model is of: steady training (NOTE [A GPU at its power
+            # limit] in plan/_clock.py).
             row["measured"] = measure_choices(
-                model, step, row["choices"], steps=steps, min_tensor_size_to_offload=min_numel
+                model,
+                step,
+                row["choices"],
+                steps=steps,
+                warmup_s=WARMUP_S,
+                min_tensor_size_to_offload=min_numel,
             )
     print(
         f"Plan for the {n} layers of {workload.description} on {profile.device}, budget {_gib(budget)} GiB "

@@ -13,7 +13,7 @@ import torch
 from ._probe import Clock, plain_step_ms
 from .model import Profile
 
-__all__ = ["parts_at_pace", "steady_factor"]
+__all__ = ["WARMUP_S", "check_seconds", "parts_at_pace", "steady_factor"]
 
 # NOTE [A GPU at its power limit]
 # A GPU that reaches its power limit under steady load lowers its clock, and clocks
@@ -30,14 +30,19 @@ __all__ = ["parts_at_pace", "steady_factor"]
 # read about 1). A ratio below 1 is noise (a paused device is never slower) and counts
 # as 1.
 
-#: Seconds of plain steps back to back before a steady reading, and the pause before
-#: the reading after it.
-WARM_S = 0.3
-PAUSE_S = 0.05
+#: Seconds of untimed steps back to back before a reading at the pace of steady
+#: training: :func:`steady_factor`'s default, and what ``cpu-offload plan`` and
+#: ``benchmarks/plan.py`` give ``measure_choices`` (``warmup_s``).
+WARMUP_S = 0.3
 
 
 def steady_factor(
-    step: Callable[[], torch.Tensor], clock: Clock, steps: int = 3, pairs: int = 3
+    step: Callable[[], torch.Tensor],
+    clock: Clock,
+    steps: int = 3,
+    pairs: int = 3,
+    warm_s: float = WARMUP_S,
+    pause_s: float = 0.05,
 ) -> float:
     """How much slower plain steps run back to back than right after a pause (>= 1).
 
@@ -46,31 +51,60 @@ def steady_factor(
         clock: The profile's clock; 1.0 on the CPU stand-in.
         steps: Steps timed in each reading (the fastest is kept).
         pairs: Steady readings and readings after a pause, taken in turns.
+        warm_s: Seconds of untimed steps back to back before each steady reading.
+        pause_s: Seconds the device idles before each reading after a pause.
 
     Returns:
         The median over ``pairs`` of steady over paused, at least 1.0.
+
+    Raises:
+        ValueError: If ``steps`` or ``pairs`` is not an int >= 1, or ``warm_s`` or
+            ``pause_s`` not a finite number >= 0.
     """
+    for name, count in (("steps", steps), ("pairs", pairs)):
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {count!r}")
+    for name, seconds in (("warm_s", warm_s), ("pause_s", pause_s)):
+        check_seconds(name, seconds)
+    if not clock.cuda:
+        return 1.0
 
     def fastest() -> float:
         return min(plain_step_ms(step, clock, 1) for _ in range(steps))
 
-    if not clock.cuda:
-        return 1.0
     ratios = []
     for _ in range(pairs):
         start = time.perf_counter()
-        while time.perf_counter() - start < WARM_S:
+        while time.perf_counter() - start < warm_s:
             plain_step_ms(step, clock, 1)
         steady = fastest()
         torch.cuda.synchronize()
-        time.sleep(PAUSE_S)
+        time.sleep(pause_s)
         paused = fastest()
         ratios.append(steady / paused if paused > 0 else 1.0)
     return max(statistics.median(ratios), 1.0)
 
 
+def check_seconds(name: str, seconds: object) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``seconds`` is a finite number >= 0."""
+    if (
+        isinstance(seconds, bool)
+        or not isinstance(seconds, (int, float))
+        or not 0 <= seconds < float("inf")  # NaN fails too
+    ):
+        raise ValueError(f"{name} must be a finite number of seconds >= 0, got {seconds!r}")
+
+
 def parts_at_pace(profile: Profile, factor: float) -> Profile:
     """``profile`` with its parts' device times multiplied by ``factor``.
+
+    Args:
+        profile: A profile with parts (``LayerCost.parts``); without, it is returned.
+        factor: What :func:`steady_factor` read.
+
+    Returns:
+        The profile with each part's ``forward_ms`` scaled; the layers' own times (scaled
+        where they were measured) and the host's times unchanged.
 
     Example:
         >>> from cpu_offload.plan.costs import LayerCost, PartCost

@@ -36,7 +36,7 @@ from .._layer_stack import find_layers
 from .._link import measure_link
 from ..engine.selection import ActivationPolicy
 from ..v2.context import DEFAULT_MIN_TENSOR_SIZE
-from ._clock import parts_at_pace
+from ._clock import check_seconds, parts_at_pace
 from ._parts_probe import PartsSpec, check_parts_spec, with_parts
 from ._probe import (
     Clock,
@@ -270,13 +270,7 @@ def measure_choices(
     from .costs import offload_layers_arguments
     from .model import check_choices
 
-    if (
-        isinstance(warmup_s, bool)
-        or not isinstance(warmup_s, (int, float))
-        or not warmup_s >= 0  # NaN too
-        or warmup_s == float("inf")
-    ):
-        raise ValueError(f"warmup_s must be a finite number of seconds >= 0, got {warmup_s!r}")
+    check_seconds("warmup_s", warmup_s)
     layers = find_layers(model_or_layers)
     plan = check_choices(choices, len(layers))
     offloaded, recomputed, parts = offload_layers_arguments(plan)
