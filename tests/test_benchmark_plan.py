@@ -1,0 +1,61 @@
+"""``benchmarks/plan.py`` pieces that run without a GPU: the profile's runners are
+recorded (its pace factor goes into the results) and the report shows the factor."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from cpu_offload.plan import profile_model
+
+ROOT = Path(__file__).parent.parent
+
+
+def _plan_script() -> ModuleType:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location("plan_benchmark", ROOT / "benchmarks/plan.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return module
+
+
+def test_the_profiles_runner_is_recorded_with_its_pace() -> None:
+    plan = _plan_script()
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(2)])
+    x = torch.randn(8, 16)
+    with plan._runners() as runners:
+        profile_model(
+            model, lambda: model(x).sum(), steps=1, host=True, min_tensor_size_to_offload=64
+        )
+    assert len(runners) == 1 and runners[0].pace_factor == 1.0  # the CPU stand-in's
+    assert plan.HostAndDevice.profile is not None  # put back
+    with plan._runners() as later:
+        pass
+    assert later == []
+
+
+def test_the_report_shows_the_pace_and_the_warm_up() -> None:
+    plan = _plan_script()
+    gib = 2**30
+    result = {
+        "workload": "compare",
+        "layers": 8,
+        "none": {"measured": [22.5, 3 * gib], "modelled": [22.4, 3 * gib]},
+        "pace_factor": 1.0621,
+        "rows": [],
+        "singles": {},
+    }
+    text = plan._markdown([result], "NVIDIA H200", 5, 3, 2, 0.3)
+    assert "after 2 and 0.3 s of untimed steps back to back" in text
+    assert "modelled 22.4 ms, 3.00 GiB; device times scaled by 1.062 to steady pace)" in text
+    del result["pace_factor"]  # results written before the factor was recorded
+    assert "modelled 22.4 ms, 3.00 GiB)" in plan._markdown([result], "d", 5, 3, 2)
