@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import threading
 import weakref
 from typing import Any
 
@@ -87,7 +88,8 @@ def _entry(param: torch.nn.Parameter | None = None) -> Entry:
 def _pending_entry(owner: _Owner) -> Entry:
     entry = _entry()
     entry.h2d_event = _Event(entry.param)  # type: ignore[assignment]
-    assert mark_pending(entry.param, owner.wait, entry)
+    entry.marked = mark_pending(entry.param, owner.wait, entry)  # as step() marks it
+    assert entry.marked
     return entry
 
 
@@ -221,6 +223,7 @@ def test_close_leaves_another_updates_mark(monkeypatch: pytest.MonkeyPatch) -> N
     _capturing(monkeypatch, False)
     old = _entry()
     old.h2d_event = _Event()  # type: ignore[assignment]
+    old.marked = True  # its step marked it; the newer update marked it again since
     newer = _Owner()
     again = _entry(old.param)
     assert mark_pending(old.param, newer.wait, again)
@@ -388,3 +391,91 @@ def test_an_optimizer_collected_inside_a_capture_keeps_it_valid() -> None:
     assert torch.equal(model.weight.detach(), ref.weight.detach())
     assert torch.equal(model.bias.detach(), ref.bias.detach())
     assert type(model.weight) is torch.nn.Parameter and not model.weight.__dict__
+
+
+def test_a_finalizer_run_while_a_mark_changes_does_not_deadlock(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Marking allocates, so the garbage collector can free another optimizer right
+    # there, on the same thread, and its finalizer changes its own marks.
+    import cpu_offload.optim._pending as pending_module
+
+    _capturing(monkeypatch, False)
+    collected = _pending_entry(_Owner())
+    real_class = pending_module._pending_class
+
+    def collecting(cls: type) -> type:
+        _close([], overlap_module.ThreadPoolExecutor(1), {id(collected.param): collected})
+        return real_class(cls)
+
+    monkeypatch.setattr(pending_module, "_pending_class", collecting)
+    # A fresh lock of the same kind: a deadlock keeps only this test's lock held.
+    reentrant = type(pending_module._SWAP) is type(threading.RLock())
+    monkeypatch.setattr(
+        pending_module, "_SWAP", threading.RLock() if reentrant else threading.Lock()
+    )
+    owner, entry = _Owner(), _entry()
+    done: list[bool] = []
+    marking = threading.Thread(
+        target=lambda: done.append(mark_pending(entry.param, owner.wait, entry)), daemon=True
+    )
+    marking.start()
+    marking.join(10)
+    assert done == [True] and is_pending(entry.param) and is_pending(collected.param)
+
+
+def test_a_late_reader_of_a_live_optimizer_leaves_a_newer_mark() -> None:
+    # A reader still inside one optimizer's wait when another optimizer, having waited
+    # for the same update, marks the parameter for its own: the reader leaves that mark.
+    overlap = ForwardOverlap(None)
+    entry = _entry()
+    overlap.track([entry])
+    with overlap._marks:
+        overlap._mark(entry).set()
+    newer, again = _Owner(), _entry(entry.param)
+    wait_for_others(entry.param, newer.wait)  # runs the first optimizer's wait
+    assert mark_pending(entry.param, newer.wait, again)
+    overlap.wait(entry)  # the late reader
+    assert is_pending(entry.param)
+    entry.param.sum()
+    assert newer.waited == [again]
+
+
+def test_a_read_as_the_optimizer_dies_waits_for_its_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Its weak reference is cleared before its finalizer hands the copy over: a read in
+    # between still waits for the copy back, and leaves only that mark.
+    import cpu_offload.optim._pending as pending_module
+
+    monkeypatch.setattr(pending_module, "is_current_stream_capturing", lambda: False)
+    owner = _Owner()
+    entry = _pending_entry(owner)
+    del owner  # gone, its finalizer not run (nothing here registered one)
+    assert entry.param.sum().item() == 0.0
+    assert entry.h2d_event.synchronized == [True]  # type: ignore[union-attr]
+    assert not is_pending(entry.param)
+
+    monkeypatch.setattr(pending_module, "is_current_stream_capturing", lambda: True)
+    owner = _Owner()
+    entry = _pending_entry(owner)
+    del owner
+    with pytest.raises(RuntimeError, match="inside a CUDA graph capture"):
+        entry.param.sum()
+    assert is_pending(entry.param) and entry.h2d_event.synchronized == []  # type: ignore[union-attr]
+
+
+def test_a_step_the_executor_refuses_leaves_nothing_waiting() -> None:
+    overlap = ForwardOverlap(None)
+    entries = [_entry() for _ in range(2)]
+    overlap.track(entries)
+    overlap._executor.shutdown()
+
+    class _Sub:
+        pass
+
+    sub = _Sub()
+    sub.entries = entries  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match="shutdown"):
+        overlap.submit([sub], None)  # type: ignore[list-item]
+    assert not overlap.busy and not any(is_pending(e.param) for e in entries)
+    assert all(e.landed is not None and e.landed.is_set() for e in entries)
+    overlap.wait_all()

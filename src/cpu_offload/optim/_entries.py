@@ -98,6 +98,9 @@ class Entry:
     # True from an asynchronous step until a reader waited for this parameter; a
     # gradient accumulated meanwhile means it was read without waiting.
     unguarded: bool = False
+    # Whether the last asynchronous step marked the parameter pending (_pending): a
+    # class with its own __torch_function__, or one that cannot be swapped, is not.
+    marked: bool = False
     # Stepped on the device with its host state streamed through it (``_stream``).
     streamed: bool = False
 

@@ -38,7 +38,6 @@ from ._copies import step_host_subs
 from ._entries import Entry, Sub
 from ._pending import (
     hand_over,
-    is_pending,
     is_writer,
     mark_pending,
     unmark_pending,
@@ -218,7 +217,8 @@ class ForwardOverlap:
             current = self._pending.get(id(entry.param))
             if current is None or (current is entry and entry.landed is landed):
                 self._pending.pop(id(entry.param), None)
-                unmark_pending(entry.param)
+                # Only this entry's mark: another optimizer may have marked it since.
+                unmark_pending(entry.param, entry)
         entry.unguarded = False
         if self._error is not None:
             self._raise_error()
@@ -274,8 +274,14 @@ class ForwardOverlap:
 
     def submit(self, subs: Sequence[Sub], h2d: torch.cuda.Stream | None) -> None:
         """Step ``subs`` on the worker, in order, each entry's copy back as it is done."""
-        self._mark_all([entry for sub in subs for entry in sub.entries])
-        self._future = self._executor.submit(self._run, list(subs), h2d)
+        entries = [entry for sub in subs for entry in sub.entries]
+        self._mark_all(entries)
+        try:
+            self._future = self._executor.submit(self._run, list(subs), h2d)
+        except BaseException:  # a shut-down executor: no reader may wait for it
+            with self._marks:
+                self._unmark(entries)
+            raise
 
     def mark_queued(self, entries: Sequence[Entry]) -> None:
         """Make readers of ``entries`` wait for their updates already queued on the device.
@@ -301,18 +307,22 @@ class ForwardOverlap:
                 for entry in entries:
                     marked.append(self._mark(entry))
             except BaseException:
-                for entry in entries[: len(marked)]:
-                    self._pending.pop(id(entry.param), None)
-                    entry.unguarded = False
-                    unmark_pending(entry.param, entry)
-                    if entry.landed is not None:
-                        entry.landed.set()
+                self._unmark(entries[: len(marked)])
                 raise
         return marked
 
+    def _unmark(self, entries: Sequence[Entry]) -> None:
+        """Undo :meth:`_mark` of ``entries`` (under ``_marks``), leaving no reader waiting."""
+        for entry in entries:
+            self._pending.pop(id(entry.param), None)
+            entry.unguarded = False
+            unmark_pending(entry.param, entry)
+            if entry.landed is not None:
+                entry.landed.set()
+
     def _mark(self, entry: Entry) -> threading.Event:
         """Make ``entry``'s parameter pending behind a new ``landed`` event (under ``_marks``)."""
-        mark_pending(entry.param, self.wait, entry)  # first: it may raise
+        entry.marked = mark_pending(entry.param, self.wait, entry)  # first: it may raise
         entry.landed = threading.Event()
         entry.unguarded = True
         self._pending[id(entry.param)] = entry
@@ -428,9 +438,12 @@ def _close(handles: list[Any], executor: ThreadPoolExecutor, pending: dict[int, 
             param, event = entry.param, entry.h2d_event
             if event is None:
                 unmark_pending(param, entry)  # nothing was copied back: nothing to wait for
-            elif not hand_over(param, entry, _LateLanding(event).wait) and not is_pending(param):
+            elif not entry.marked:
                 unswappable.append(event)  # nothing makes its reads wait
-            # (pending behind another update's mark: that update's reads wait for it)
+            else:
+                # False: read already, or marked for another update since; either way
+                # its reads no longer need this copy's wait.
+                hand_over(param, entry, _LateLanding(event).wait)
         for event in unswappable:
             try:
                 event.synchronize()

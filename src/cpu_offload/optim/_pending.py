@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from cpu_offload._compat import is_current_stream_capturing
+
 __all__ = [
     "hand_over",
     "is_pending",
@@ -47,8 +49,9 @@ _ATTR = "_cpu_offload_pending_update"
 
 # Every change of a parameter's mark (its pending class and _ATTR) and every check of
 # whose mark it is, together: readers and optimizers on other threads change them too.
-# Innermost: nothing is called out to while it is held.
-_SWAP = threading.Lock()
+# Reentrant: what runs under it allocates, so the garbage collector can run an
+# optimizer's finalizer (which changes its own marks) on the same thread meanwhile.
+_SWAP = threading.RLock()
 
 # Set on the thread that steps the host buckets: its writes into pending parameters
 # must not wait for themselves (see :func:`writing`).
@@ -318,6 +321,17 @@ def _wait(param: torch.Tensor) -> None:
     wait = wait_ref() if wait_ref is not None else None
     entry = entry_ref() if entry_ref is not None else None
     if wait is None or entry is None:
-        unmark_pending(param)  # the optimizer is gone: nothing will update it
+        # The optimizer is gone, and its finalizer (which hands its copies back over to
+        # wait for) may not have run yet: wait for the entry's copy back here.
+        event = getattr(entry, "h2d_event", None)
+        if event is not None:
+            if is_current_stream_capturing():
+                raise RuntimeError(
+                    "HybridDeviceOptimizer: a parameter was read inside a CUDA graph "
+                    "capture while the update from the host step of an optimizer being "
+                    "freed may still be copied back; read it once before capturing"
+                )
+            event.synchronize()
+        unmark_pending(param, entry)
         return
     wait(entry)  # unmarks it, unless a later step marked it again meanwhile
