@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import cpu_offload.plan._clock as clock_module
+import cpu_offload.plan._probe as probe_module
 import cpu_offload.plan._timing as timing_module
 from cpu_offload.plan import Choice, estimate, profile_model
 from cpu_offload.plan._clock import steady_factor
@@ -45,6 +46,7 @@ def _power_limited(
 ) -> _PowerLimited:
     device = _PowerLimited(steady_ms, paused_ms)
     monkeypatch.setattr(clock_module, "plain_step_ms", device.plain)
+    monkeypatch.setattr(probe_module, "plain_step_ms", device.plain)  # run_for's steps
     monkeypatch.setattr(clock_module.time, "sleep", device.sleep)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     return device

@@ -38,6 +38,25 @@ def check_int(name: str, value: object) -> int:
     return value
 
 
+def check_count(name: str, value: object, least: int = 1) -> int:
+    """``value`` if it is an int (not a bool) >= ``least``, else ``ValueError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+    return value
+
+
+def check_seconds(name: str, value: object) -> float:
+    """``value`` if it is a finite number (not a bool) >= 0, else ``ValueError`` naming
+    ``name``."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not 0 <= value < float("inf")  # NaN fails too
+    ):
+        raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+    return value
+
+
 def check_min_tensor_size(value: object) -> int:
     """``min_tensor_size_to_offload`` if it is an int >= 0 (elements), else an error naming it."""
     size = check_int("min_tensor_size_to_offload", value)

@@ -10,6 +10,7 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 
+from .._args import check_count
 from ._hybrid import HybridDeviceOptimizer
 from ._split import check_offload_fraction
 
@@ -230,10 +231,8 @@ def measure_optimizer(
         1
     """
     fraction = check_offload_fraction(offload_fraction)
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be an int >= 1, got {steps!r}")
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
+    check_count("steps", steps)
+    check_count("warmup", warmup, least=0)
     device = _model_device(model)
     cuda = device.type == "cuda"
 

@@ -10,10 +10,11 @@ from dataclasses import replace
 
 import torch
 
-from ._probe import Clock, plain_step_ms
+from .._args import check_count, check_seconds
+from ._probe import Clock, plain_step_ms, run_for
 from .model import Profile
 
-__all__ = ["WARMUP_S", "check_seconds", "parts_at_pace", "steady_factor"]
+__all__ = ["WARMUP_S", "parts_at_pace", "steady_factor"]
 
 # NOTE [A GPU at its power limit]
 # A GPU that reaches its power limit under steady load lowers its clock, and clocks
@@ -61,11 +62,10 @@ def steady_factor(
         ValueError: If ``steps`` or ``pairs`` is not an int >= 1, or ``warm_s`` or
             ``pause_s`` not a finite number >= 0.
     """
-    for name, count in (("steps", steps), ("pairs", pairs)):
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {count!r}")
-    for name, seconds in (("warm_s", warm_s), ("pause_s", pause_s)):
-        check_seconds(name, seconds)
+    check_count("steps", steps)
+    check_count("pairs", pairs)
+    check_seconds("warm_s", warm_s)
+    check_seconds("pause_s", pause_s)
     if not clock.cuda:
         return 1.0
 
@@ -74,25 +74,13 @@ def steady_factor(
 
     ratios = []
     for _ in range(pairs):
-        start = time.perf_counter()
-        while time.perf_counter() - start < warm_s:
-            plain_step_ms(step, clock, 1)
+        run_for(step, clock, warm_s)
         steady = fastest()
         torch.cuda.synchronize()
         time.sleep(pause_s)
         paused = fastest()
         ratios.append(steady / paused if paused > 0 else 1.0)
     return max(statistics.median(ratios), 1.0)
-
-
-def check_seconds(name: str, seconds: object) -> None:
-    """Raise ``ValueError`` naming ``name`` unless ``seconds`` is a finite number >= 0."""
-    if (
-        isinstance(seconds, bool)
-        or not isinstance(seconds, (int, float))
-        or not 0 <= seconds < float("inf")  # NaN fails too
-    ):
-        raise ValueError(f"{name} must be a finite number of seconds >= 0, got {seconds!r}")
 
 
 def parts_at_pace(profile: Profile, factor: float) -> Profile:

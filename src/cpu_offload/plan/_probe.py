@@ -418,6 +418,13 @@ def plain_step_ms(step: Callable[[], torch.Tensor], clock: Clock, steps: int) ->
     return statistics.median(times)
 
 
+def run_for(step: Callable[[], torch.Tensor], clock: Clock, seconds: float) -> None:
+    """Untimed plain steps back to back until ``seconds`` have passed (none for 0)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        plain_step_ms(step, clock, 1)
+
+
 def host_probe_ms(ops: int = 2000) -> float:
     """Time (ms) of a fixed piece of the host's work: ``ops`` additions of a tiny CPU
     tensor, through Python and PyTorch's dispatcher as a step's launches go, with no

@@ -31,16 +31,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._args import check_bool, check_min_tensor_size
+from .._args import check_bool, check_count, check_min_tensor_size, check_seconds
 from .._layer_stack import find_layers
 from .._link import measure_link
 from ..engine.selection import ActivationPolicy
 from ..v2.context import DEFAULT_MIN_TENSOR_SIZE
-from ._clock import check_seconds, parts_at_pace
+from ._clock import parts_at_pace
 from ._parts_probe import PartsSpec, check_parts_spec, with_parts
 from ._probe import (
     Clock,
     plain_step_ms,
+    run_for,
     timed_step,
 )
 from ._timing import HostAndDevice, Together
@@ -166,10 +167,8 @@ def profile_model(
         >>> profile.num_layers, profile.layers[1].input_bytes
         (3, 131072)
     """
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be an int >= 1, got {steps!r}")
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
+    check_count("steps", steps)
+    check_count("warmup", warmup, least=0)
     if host is not None and not isinstance(host, bool):
         raise TypeError(f"host must be a bool or None, got {type(host).__name__}")
     check_min_tensor_size(min_tensor_size_to_offload)
@@ -282,9 +281,7 @@ def measure_choices(
     ):
         for _ in range(warmup):
             plain_step_ms(step, clock, 1)
-        end = time.perf_counter() + warmup_s
-        while time.perf_counter() < end:
-            plain_step_ms(step, clock, 1)
+        run_for(step, clock, warmup_s)
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
