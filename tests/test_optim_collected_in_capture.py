@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import cpu_offload.optim._forward_overlap as overlap_module
+import cpu_offload.optim._pending as pending_module
 from cpu_offload.optim import HybridDeviceOptimizer
 from cpu_offload.optim._entries import Entry
 from cpu_offload.optim._forward_overlap import ForwardOverlap, _close, _LateLanding
@@ -94,7 +95,8 @@ def _pending_entry(owner: _Owner) -> Entry:
 
 
 def _capturing(monkeypatch: pytest.MonkeyPatch, value: bool) -> None:
-    monkeypatch.setattr(overlap_module, "is_current_stream_capturing", lambda: value)
+    for module in (overlap_module, pending_module):
+        monkeypatch.setattr(module, "is_current_stream_capturing", lambda: value)
 
 
 def _reader_stream(monkeypatch: pytest.MonkeyPatch) -> _Stream:
@@ -398,8 +400,6 @@ def test_a_finalizer_run_while_a_mark_changes_does_not_deadlock(
 ) -> None:
     # Marking allocates, so the garbage collector can free another optimizer right
     # there, on the same thread, and its finalizer changes its own marks.
-    import cpu_offload.optim._pending as pending_module
-
     _capturing(monkeypatch, False)
     collected = _pending_entry(_Owner())
     real_class = pending_module._pending_class
@@ -444,8 +444,6 @@ def test_a_late_reader_of_a_live_optimizer_leaves_a_newer_mark() -> None:
 def test_a_read_as_the_optimizer_dies_waits_for_its_copy(monkeypatch: pytest.MonkeyPatch) -> None:
     # Its weak reference is cleared before its finalizer hands the copy over: a read in
     # between still waits for the copy back, and leaves only that mark.
-    import cpu_offload.optim._pending as pending_module
-
     monkeypatch.setattr(pending_module, "is_current_stream_capturing", lambda: False)
     owner = _Owner()
     entry = _pending_entry(owner)

@@ -41,6 +41,7 @@ from ._pending import (
     is_writer,
     mark_pending,
     unmark_pending,
+    wait_for_copy,
     wait_for_others,
     writing,
 )
@@ -414,17 +415,7 @@ class _LateLanding:
         Raises:
             RuntimeError: Inside a CUDA graph capture, where no wait is possible.
         """
-        if is_current_stream_capturing():
-            raise RuntimeError(
-                "HybridDeviceOptimizer: a parameter was read inside a CUDA graph capture "
-                "while the update from the host step of an optimizer that has since been "
-                "freed (overlap_host_step_with_forward) may still be copied back; read "
-                "each of its parameters once before capturing (any value read, such as "
-                "param.detach().clone(), waits for the copy), or call the optimizer's "
-                "synchronize() before dropping it"
-            )
-        self.event.synchronize()
-        unmark_pending(param, param)  # the mark hand_over left: its entry is the param
+        wait_for_copy(param, self.event, param)  # hand_over's mark: its entry is the param
 
 
 def _close(handles: list[Any], executor: ThreadPoolExecutor, pending: dict[int, Entry]) -> None:

@@ -39,6 +39,7 @@ __all__ = [
     "is_writer",
     "mark_pending",
     "unmark_pending",
+    "wait_for_copy",
     "wait_for_others",
     "writing",
 ]
@@ -324,14 +325,30 @@ def _wait(param: torch.Tensor) -> None:
         # The optimizer is gone, and its finalizer (which hands its copies back over to
         # wait for) may not have run yet: wait for the entry's copy back here.
         event = getattr(entry, "h2d_event", None)
-        if event is not None:
-            if is_current_stream_capturing():
-                raise RuntimeError(
-                    "HybridDeviceOptimizer: a parameter was read inside a CUDA graph "
-                    "capture while the update from the host step of an optimizer being "
-                    "freed may still be copied back; read it once before capturing"
-                )
-            event.synchronize()
-        unmark_pending(param, entry)
+        if event is None:
+            unmark_pending(param, entry)
+        else:
+            wait_for_copy(param, event, entry)
         return
     wait(entry)  # unmarks it, unless a later step marked it again meanwhile
+
+
+def wait_for_copy(param: torch.Tensor, event: torch.cuda.Event, entry: Any) -> None:
+    """Wait on the host for ``event``, the copy back of an update whose optimizer is
+    gone, then give ``param`` its class back if it is still pending behind ``entry``.
+
+    Raises:
+        RuntimeError: Inside a CUDA graph capture, where no wait is possible (``param``
+            stays pending).
+    """
+    if is_current_stream_capturing():
+        raise RuntimeError(
+            "HybridDeviceOptimizer: a parameter was read inside a CUDA graph capture "
+            "while the update from the host step of an optimizer that has since been "
+            "freed (overlap_host_step_with_forward) may still be copied back; read "
+            "each of its parameters once before capturing (any value read, such as "
+            "param.detach().clone(), waits for the copy), or call the optimizer's "
+            "synchronize() before dropping it"
+        )
+    event.synchronize()
+    unmark_pending(param, entry)
