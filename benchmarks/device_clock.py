@@ -13,10 +13,14 @@ measurements on one of ``plan.py``'s workloads (``compare`` by default):
 * ``profile``: ``profile_model``'s per-layer device times and recomputation beside the
   same times after 2 s of steps (events around each layer, nothing held back), and the
   recomputation's cost per layer from steady plain steps with every layer recomputed;
-* ``pace``: the factor by which the profile scales its device times
-  (``cpu_offload.plan._clock.steady_factor``), read five times.
+* ``pace``: what the profile scales its device times and its recomputation by
+  (``cpu_offload.plan._clock.steady_pace``), read five times;
+* ``holds``: the layers' device times with the stream held back before each layer (as
+  the profile times them), held back once before each pass, and after 1 s of steps with
+  nothing held back, with every layer kept and recomputed; beside them plain steps
+  back to back of both.
 
-    python benchmarks/device_clock.py --what warmup,pause,profile,pace
+    python benchmarks/device_clock.py --what warmup,pause,profile,pace,holds
 """
 
 from __future__ import annotations
@@ -35,13 +39,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from plan import WORKLOAD_DIMS, _build  # noqa: E402
 
+import cpu_offload.plan._probe as probe_module  # noqa: E402
 from cpu_offload import offload_layers  # noqa: E402
+from cpu_offload._compat import in_backward  # noqa: E402
 from cpu_offload._layer_stack import find_layers  # noqa: E402
 from cpu_offload.plan import profile_model  # noqa: E402
-from cpu_offload.plan._clock import steady_factor  # noqa: E402
+from cpu_offload.plan._clock import steady_pace  # noqa: E402
 from cpu_offload.plan._probe import Clock, host_probe_ms, median_times, plain_step_ms, timed_step  # noqa: E402,E501
 
-WHAT = ("warmup", "pause", "profile", "pace")
+WHAT = ("warmup", "pause", "profile", "pace", "holds")
 Step = Callable[[], torch.Tensor]
 
 
@@ -121,11 +127,78 @@ def profile(model: torch.nn.Module, step: Step, clock: Clock) -> None:
     )
 
 
-def pace(step: Step, clock: Clock, repeats: int = 5) -> None:
-    """Print what ``steady_factor`` reads, ``repeats`` times: its spread on this device."""
-    factors = [steady_factor(step, clock) for _ in range(repeats)]
-    shown = ", ".join(f"{f:.3f}" for f in factors)
-    print(f"pace: steady_factor {repeats} times: {shown} (median {statistics.median(factors):.3f})")
+def pace(model: torch.nn.Module, step: Step, clock: Clock, repeats: int = 5) -> None:
+    """Print what ``steady_pace`` reads, ``repeats`` times: its spread on this device."""
+    layers = find_layers(model)
+
+    def every() -> object:
+        return offload_layers(layers, offloaded=(), recomputed=range(len(layers)))
+
+    read = [steady_pace(step, clock, recompute=every) for _ in range(repeats)]
+    for name, values in (
+        ("factor", [r.factor for r in read]),
+        ("recompute_ratio", [r.recompute_ratio or 0.0 for r in read]),
+    ):
+        shown = ", ".join(f"{v:.3f}" for v in values)
+        print(f"pace: {name} {repeats} times: {shown} (median {statistics.median(values):.3f})")
+
+
+class _PassHold(probe_module.Probe):
+    """A probe that holds the stream back once before each pass (``sleep``: the
+    forward's and the backward's cycles) instead of before each layer."""
+
+    def _hold(self, j: int) -> None:
+        assert self.sleep is not None
+        if in_backward():
+            if j == len(self.layers) - 1:
+                torch.cuda._sleep(self.sleep[1])
+        elif j == 0:
+            torch.cuda._sleep(self.sleep[0])
+
+
+def holds(model: torch.nn.Module, step: Step, clock: Clock, steps: int = 7) -> None:
+    layers = find_layers(model)
+    n = len(layers)
+    for _ in range(3):
+        timed_step(layers, step, clock)
+    host = [timed_step(layers, step, Clock(True, events=False))[1] for _ in range(5)]
+    fwd, bwd = median_times(host, "host_forward_own"), median_times(host, "host_backward")
+    per_layer = probe_module.sleep_cycles([max(f, b) for f, b in zip(fwd, bwd, strict=True)])
+    per_ms = probe_module.cycles_per_ms()
+    per_pass = [int((1.3 * sum(fwd) + 1.0) * per_ms), int((1.3 * sum(bwd) + 1.0) * per_ms)]
+    print(f"holds: host forward {sum(fwd):.2f} ms, backward {sum(bwd):.2f} ms a step")
+    got: dict[tuple[str, str], tuple[float, float]] = {}
+    base = probe_module.Probe
+    for config, kwargs in (("kept", {}), ("recomputed", {"recomputed": range(n)})):
+        with offload_layers(layers, offloaded=(), **kwargs):
+            plain_step_ms(step, clock, 2)
+            for how in ("each layer", "each pass", "nothing"):
+                sleep = {"each layer": per_layer, "each pass": per_pass}.get(how)
+                if how == "nothing":
+                    _run_for(step, clock, 1.0)
+                probe_module.Probe = _PassHold if how == "each pass" else base
+                try:
+                    runs = [timed_step(layers, step, clock, sleep=sleep)[1] for _ in range(steps)]
+                finally:
+                    probe_module.Probe = base
+                got[config, how] = (
+                    statistics.fmean(median_times(runs, "forward")),
+                    statistics.fmean(median_times(runs, "backward")),
+                )
+                print(
+                    f"  {config:10s} held back before {how:10s}: forward {got[config, how][0]:.3f}, "
+                    f"backward {got[config, how][1]:.3f} ms a layer"
+                )
+            _run_for(step, clock, 1.0)
+            got[config, "plain"] = (plain_step_ms(step, clock, 10), 0.0)
+    for how in ("each layer", "each pass", "nothing"):
+        again = got["recomputed", how][1] - got["kept", how][1]
+        print(f"  recomputation a layer, held back before {how}: {again:.3f} ms")
+    kept, again = got["kept", "plain"][0], got["recomputed", "plain"][0]
+    print(
+        f"  plain steps after 1 s: kept {kept:.2f} ms, recomputed {again:.2f} ms: "
+        f"+{(again - kept) / n:.3f} ms a layer"
+    )
 
 
 def main() -> int:
@@ -151,7 +224,9 @@ def main() -> int:
     if "profile" in what:
         profile(model, step, clock)
     if "pace" in what:
-        pace(step, clock)
+        pace(model, step, clock)
+    if "holds" in what:
+        holds(model, step, clock)
     return 0
 
 

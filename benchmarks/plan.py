@@ -313,7 +313,11 @@ def _timed(  # type: ignore[no-untyped-def]
         profile = profile_model(model, step, steps=steps, warmup=warmup, parts=parts)
     # The same rounds with the host's times of the calm rounds only (without parts: their
     # host probes run after the profile's own).
-    calm_host = runners[0].rebuild("calm") if runners and not parts else None
+    runner = runners[0] if runners else None
+    pace = None if runner is None else (runner.pace_factor, runner.recompute_scale)
+    calm_host = (
+        runner.at_steady_pace(runner.rebuild("calm")) if runner is not None and not parts else None
+    )
     wanted = None if ks is None else {f"k={k}" for k in ks}
     methods = {
         m: c
@@ -431,7 +435,9 @@ def _timed(  # type: ignore[no-untyped-def]
         },
         "link_gbps": [profile.link.d2h_gbps, profile.link.h2d_gbps, profile.link.duplex_gbps],
         # The device's pace in steady training against the profile's (plan/_clock.py).
-        "pace_factor": runners[0].pace_factor if runners else None,
+        "pace_factor": None if pace is None else pace[0],
+        # What the costs of recomputation were scaled by to steady training's (ditto).
+        "recompute_scale": None if pace is None else pace[1],
         # The whole profile, so that a change to the model can be checked against these
         # measurements without the GPU.
         "profile": dataclasses.asdict(profile),
@@ -442,9 +448,13 @@ def _timed(  # type: ignore[no-untyped-def]
     }
 
 
-def _pace_text(factor: float | None) -> str:
-    """The profile's pace factor (NOTE [A GPU at its power limit]), where recorded."""
-    return "" if factor is None else f"; device times scaled by {factor:.3f} to steady pace"
+def _pace_text(factor: float | None, scale: float | None = None) -> str:
+    """The profile's pace factor (NOTE [A GPU at its power limit]) and its scale of
+    recomputation (NOTE [Recomputation at the pace of steady training]), where recorded."""
+    text = "" if factor is None else f"; device times scaled by {factor:.3f} to steady pace"
+    if scale is not None:
+        text += f", recomputation by {scale:.3f}"
+    return text
 
 
 @contextlib.contextmanager
@@ -533,7 +543,7 @@ def _markdown(
             f"#### Workload {res['workload']}, {res['layers']} layers (no offloading: "
             f"{none[0]:.1f} ms, {none[1] / gib:.2f} GiB; modelled "
             f"{res['none']['modelled'][0]:.1f} ms, {res['none']['modelled'][1] / gib:.2f} GiB"
-            + _pace_text(res.get("pace_factor"))
+            + _pace_text(res.get("pace_factor"), res.get("recompute_scale"))
             + ")",
             "",
             "| budget GiB | plan | modelled ms / GiB | measured ms / GiB | spread of the rounds "

@@ -223,6 +223,7 @@ def test_the_hosts_pace_picks_the_rounds_of_its_times(monkeypatch: pytest.Monkey
     # host), come from the two calm rounds (NOTE [The host's pace]); with the pace
     # "every", the profile's own, from all five, whose median is the slow phase's.
     import cpu_offload.plan._timing as timing_module
+    from cpu_offload.plan._clock import SteadyPace
     from cpu_offload.plan._rounds import fast_rounds
 
     slow = [False, True, False, True, True]
@@ -253,6 +254,9 @@ def test_the_hosts_pace_picks_the_rounds_of_its_times(monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(timing_module.HostAndDevice, "_rounds", rounds_with_phases)
     monkeypatch.setattr(timing_module.HostAndDevice, "profile", recorded)
+    # Plain steps of 1000 ms whatever is recomputed: recomputation's steady cost is not
+    # what this test reads (tests/test_plan_clock.py does).
+    monkeypatch.setattr(timing_module, "steady_pace", lambda *args, **kwargs: SteadyPace())
     model = _encoder()
     x = _batches()[0]
     every = profile_model(

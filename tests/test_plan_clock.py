@@ -15,7 +15,7 @@ import cpu_offload.plan._clock as clock_module
 import cpu_offload.plan._probe as probe_module
 import cpu_offload.plan._timing as timing_module
 from cpu_offload.plan import Choice, estimate, profile_model
-from cpu_offload.plan._clock import steady_factor
+from cpu_offload.plan._clock import SteadyPace, steady_factor
 from cpu_offload.plan._probe import Clock
 
 LAYERS = 3
@@ -105,14 +105,18 @@ def _cuda_clock() -> Clock:
     return clock
 
 
-@pytest.mark.parametrize("pace", [1.0, 1.25])
+@pytest.mark.parametrize(
+    ("pace", "ratio", "scale"), [(1.0, None, 1.0), (1.25, None, 1.0), (1.25, 1.045, 1.5)]
+)
 def test_the_profile_scales_the_devices_times_by_the_pace(
-    monkeypatch: pytest.MonkeyPatch, pace: float
+    monkeypatch: pytest.MonkeyPatch, pace: float, ratio: float | None, scale: float
 ) -> None:
     # Device times of 1 ms forward, 2 ms backward (3 ms with every layer recomputed:
     # recomputation 1 ms), a head of 0.5 ms and a plain step of 100 ms, as the profile
     # reads them after pauses: the profile holds them at the pace of steady training,
-    # and its calm-host rebuild does not scale them again.
+    # and its calm-host rebuild does not scale them again. Where steady steps with
+    # every layer recomputed ran 1.045 times the plain ones (4.5 ms of 100 over three
+    # layers at 1 ms), recomputation costs 1.5 times what was read.
     real_median = timing_module.median_times
     real_device_times = timing_module.HostAndDevice._device_times
     backward = iter([2.0, 3.0])
@@ -132,24 +136,33 @@ def test_the_profile_scales_the_devices_times_by_the_pace(
             run.head_ms = 0.5
         return runs
 
+    def steady(step: Any, clock: Any, steps: int, recompute: Any = None) -> SteadyPace:
+        assert recompute is not None  # the profile times recomputation
+        return SteadyPace(pace, ratio)
+
     monkeypatch.setattr(timing_module, "median_times", median_times)
     monkeypatch.setattr(timing_module.HostAndDevice, "_device_times", device_times)
     monkeypatch.setattr(timing_module, "plain_step_ms", lambda step, clock, steps: 100.0)
-    monkeypatch.setattr(timing_module, "steady_factor", lambda step, clock, steps: pace)
+    monkeypatch.setattr(timing_module, "steady_pace", steady)
     model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(LAYERS)])
     x = torch.randn(8, 16)
     profile = profile_model(
         model, lambda: model(x).sum(), steps=1, host=True, min_tensor_size_to_offload=64
     )
     runner = runners[0]
-    for got in (profile, runner.rebuild("calm")):
+    for got in (profile, runner.at_steady_pace(runner.rebuild("calm"))):
         for cost in got.layers:
             assert cost.forward_ms == pytest.approx(pace * 1.0)
             assert cost.backward_ms == pytest.approx(pace * 2.0)
-            assert cost.recompute_ms == pytest.approx(pace * 1.0)
+            assert cost.recompute_ms == pytest.approx(pace * scale)
         assert got.head_ms == pytest.approx(pace * 0.5)
-        assert estimate(got, [Choice.KEEP] * LAYERS).step_ms == pytest.approx(pace * 100.0)
+        keep = estimate(got, [Choice.KEEP] * LAYERS).step_ms
+        assert keep == pytest.approx(pace * 100.0)
+        if ratio is not None:
+            again = estimate(got, [Choice.RECOMPUTE] * LAYERS).step_ms
+            assert again / keep == pytest.approx(ratio)
     assert runner.pace_factor == pace
+    assert runner.recompute_ratio == ratio and runner.recompute_scale == pytest.approx(scale)
 
 
 def test_measure_choices_warms_up_for_the_seconds_asked() -> None:

@@ -1,20 +1,32 @@
-"""The device's pace in steady training, against the profile's (NOTE [A GPU at its power
-limit])."""
+"""The pace of steady training, against the profile's: the device's clock (NOTE [A GPU at
+its power limit]) and what recomputation costs (NOTE [Recomputation at the pace of
+steady training])."""
 
 from __future__ import annotations
 
+import contextlib
+import math
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from .._args import check_count, check_seconds
 from ._probe import Clock, plain_step_ms, run_for
-from .model import Profile
+from .costs import Choice
+from .model import Profile, estimate
 
-__all__ = ["WARMUP_S", "parts_at_pace", "steady_factor"]
+__all__ = [
+    "WARMUP_S",
+    "SteadyPace",
+    "parts_at_pace",
+    "recompute_scale",
+    "recompute_scaled",
+    "steady_factor",
+    "steady_pace",
+]
 
 # NOTE [A GPU at its power limit]
 # A GPU that reaches its power limit under steady load lowers its clock, and clocks
@@ -31,32 +43,70 @@ __all__ = ["WARMUP_S", "parts_at_pace", "steady_factor"]
 # read about 1). A ratio below 1 is noise (a paused device is never slower) and counts
 # as 1.
 
+# NOTE [Recomputation at the pace of steady training]
+# The factor above covers the clock of the whole step, not what recomputation costs in
+# it. On an H200 (compare's model, factor 1.049) the profile's device times read a
+# layer's recomputation at 0.716 ms, whether the stream was held back before each layer
+# or once before each pass (0.718: the holds' idle time is not the cause), against
+# 0.836 ms from events around the layers and 0.801 ms from plain steps, after 1 s of
+# steps back to back (benchmarks/device_clock.py --what holds). On Megatron-Core's GPT,
+# which the host bounds, a profile's host times added 2.07 ms a recomputed layer, and
+# plain steps with every layer recomputed took 2.45 ms a layer more than without. In
+# ``benchmarks/plan.py`` that model's recomputing methods and plans were modelled 5 to
+# 15% below their measured steps, and compare's "recompute all" 4 to 13% below. So the
+# pairs of readings above also time plain steps with every layer recomputed, back to
+# back after the same warm-up as the steady reading beside them, and the profile's
+# costs of recomputation (the device's and the host's, of layers and of their parts)
+# are scaled by one factor, so that the model of recomputing every layer runs the
+# measured ratio of its model of keeping every layer. Where the model was right, the
+# factor reads about 1.
+
 #: Seconds of untimed steps back to back before a reading at the pace of steady
 #: training: :func:`steady_factor`'s default, and what ``cpu-offload plan`` and
 #: ``benchmarks/plan.py`` give ``measure_choices`` (``warmup_s``).
 WARMUP_S = 0.3
 
 
-def steady_factor(
+@dataclass(frozen=True)
+class SteadyPace:
+    """What :func:`steady_pace` read.
+
+    Attributes:
+        factor: How much slower plain steps run back to back than right after a pause
+            (>= 1; 1.0 on the CPU stand-in, which has no clock to read).
+        recompute_ratio: Steps with every layer recomputed over plain steps, both back
+            to back; None where not measured.
+    """
+
+    factor: float = 1.0
+    recompute_ratio: float | None = None
+
+
+def steady_pace(
     step: Callable[[], torch.Tensor],
     clock: Clock,
     steps: int = 3,
     pairs: int = 3,
     warm_s: float = WARMUP_S,
     pause_s: float = 0.05,
-) -> float:
-    """How much slower plain steps run back to back than right after a pause (>= 1).
+    recompute: Callable[[], contextlib.AbstractContextManager] | None = None,
+) -> SteadyPace:
+    """Plain steps back to back against steps right after a pause, and, given
+    ``recompute``, against steps with every layer recomputed, back to back.
 
     Args:
         step: Runs the forward and returns the loss (its backward is run here).
-        clock: The profile's clock; 1.0 on the CPU stand-in.
+        clock: The profile's clock.
         steps: Steps timed in each reading (the fastest is kept).
-        pairs: Steady readings and readings after a pause, taken in turns.
+        pairs: Steady readings and readings after a pause, taken in turns (one on the
+            CPU stand-in, where neither the warm-up nor the pause is needed).
         warm_s: Seconds of untimed steps back to back before each steady reading.
         pause_s: Seconds the device idles before each reading after a pause.
+        recompute: Returns a context manager under which every layer is recomputed.
 
     Returns:
-        The median over ``pairs`` of steady over paused, at least 1.0.
+        The medians over ``pairs`` (NOTE [A GPU at its power limit], NOTE
+        [Recomputation at the pace of steady training]).
 
     Raises:
         ValueError: If ``steps`` or ``pairs`` is not an int >= 1, or ``warm_s`` or
@@ -67,20 +117,127 @@ def steady_factor(
     check_seconds("warm_s", warm_s)
     check_seconds("pause_s", pause_s)
     if not clock.cuda:
-        return 1.0
+        if recompute is None:
+            return SteadyPace()
+        pairs, warm_s = 1, 0.0
 
     def fastest() -> float:
+        run_for(step, clock, warm_s)
         return min(plain_step_ms(step, clock, 1) for _ in range(steps))
 
-    ratios = []
+    factors, ratios = [], []
     for _ in range(pairs):
-        run_for(step, clock, warm_s)
         steady = fastest()
+        if recompute is not None:
+            with recompute():
+                again = fastest()
+            ratios.append(again / steady if steady > 0 else 1.0)
+        if not clock.cuda:
+            continue
         torch.cuda.synchronize()
         time.sleep(pause_s)
-        paused = fastest()
-        ratios.append(steady / paused if paused > 0 else 1.0)
-    return max(statistics.median(ratios), 1.0)
+        paused = min(plain_step_ms(step, clock, 1) for _ in range(steps))
+        factors.append(steady / paused if paused > 0 else 1.0)
+    return SteadyPace(
+        max(statistics.median(factors), 1.0) if factors else 1.0,
+        statistics.median(ratios) if ratios else None,
+    )
+
+
+def steady_factor(
+    step: Callable[[], torch.Tensor],
+    clock: Clock,
+    steps: int = 3,
+    pairs: int = 3,
+    warm_s: float = WARMUP_S,
+    pause_s: float = 0.05,
+) -> float:
+    """How much slower plain steps run back to back than right after a pause (>= 1):
+    :func:`steady_pace`'s ``factor``, with the same arguments (no ``recompute``)."""
+    return steady_pace(step, clock, steps, pairs, warm_s, pause_s).factor
+
+
+#: The range :func:`recompute_scale` keeps to: a reading outside it says more about the
+#: readings than about recomputation.
+SCALE_RANGE = (0.5, 2.0)
+
+
+def recompute_scaled(profile: Profile, scale: float) -> Profile:
+    """``profile`` with every cost of recomputation multiplied by ``scale``.
+
+    The device's (each layer's ``recompute_ms``, taken as ``forward_ms`` where None, and
+    each part's ``forward_ms``, what recomputing it runs again) and the host's
+    (``HostCost``'s ``recompute_*`` and ``part_recompute_*`` fields).
+
+    Example:
+        >>> from cpu_offload.plan.costs import HostCost, LayerCost
+        >>> from cpu_offload.plan.model import Link, Profile
+        >>> layer = LayerCost(1.0, 2.0, 0, 0, 0, host=HostCost(1.0, 1.0, recompute_backward_ms=0.5))
+        >>> got = recompute_scaled(Profile((layer,), Link(1.0, 1.0)), 2.0).layers[0]
+        >>> got.forward_ms, got.recompute_ms, got.host.recompute_backward_ms
+        (1.0, 2.0, 1.0)
+    """
+    if scale == 1.0:
+        return profile
+    layers = []
+    for c in profile.layers:
+        host = c.host
+        if host is not None:
+            host = replace(
+                host,
+                recompute_forward_ms=host.recompute_forward_ms * scale,
+                recompute_backward_ms=host.recompute_backward_ms * scale,
+                part_recompute_forward_ms=host.part_recompute_forward_ms * scale,
+                part_recompute_backward_ms=host.part_recompute_backward_ms * scale,
+            )
+        parts = tuple(replace(p, forward_ms=p.forward_ms * scale) for p in c.parts)
+        layers.append(replace(c, recompute_ms=c.rerun_ms * scale, host=host, parts=parts))
+    return replace(profile, layers=tuple(layers))
+
+
+def recompute_scale(profile: Profile, ratio: float) -> float:
+    """The factor :func:`recompute_scaled` needs so that the model of recomputing every
+    layer runs ``ratio`` times its model of keeping every layer.
+
+    Args:
+        profile: The profile as measured.
+        ratio: :attr:`SteadyPace.recompute_ratio`.
+
+    Returns:
+        The factor, within :data:`SCALE_RANGE`; 1.0 where the model's recomputation
+        costs nothing to scale.
+
+    Example:
+        >>> from cpu_offload.plan.costs import LayerCost
+        >>> from cpu_offload.plan.model import Link, Profile
+        >>> profile = Profile((LayerCost(1.0, 2.0, 0, 0, 0),) * 2, Link(1.0, 1.0))
+        >>> round(recompute_scale(profile, 8.0 / 6.0), 6)  # 6 ms kept, 8 ms recomputed
+        1.0
+        >>> round(recompute_scale(profile, 9.0 / 6.0), 6)
+        1.5
+    """
+    n = profile.num_layers
+    keep = estimate(profile, [Choice.KEEP] * n).step_ms
+    target = ratio * keep
+
+    def again(scale: float) -> float:
+        return estimate(recompute_scaled(profile, scale), [Choice.RECOMPUTE] * n).step_ms
+
+    lo, hi = SCALE_RANGE
+    low, high = again(lo), again(hi)
+    if not math.isfinite(target) or high <= low:
+        return 1.0
+    if target <= low:
+        return lo
+    if target >= high:
+        return hi
+    for _ in range(40):  # the range in log space, to about 1e-12
+        mid = math.sqrt(lo * hi)
+        if again(mid) < target:
+            lo = mid
+        else:
+            hi = mid
+    return math.sqrt(lo * hi)
 
 
 def parts_at_pace(profile: Profile, factor: float) -> Profile:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .._switch import use_v1
-from ._clock import steady_factor
+from ._clock import recompute_scale, recompute_scaled, steady_pace
 from ._parts_host import part_probes, with_part_host
 from ._probe import (
     Clock,
@@ -150,8 +150,13 @@ class HostAndDevice(Together):
     calm_probe_ms: float | None = None
     recompute = True
     #: How much slower the device ran plain steps back to back than after a pause
-    #: (:func:`._clock.steady_factor`): its times in the profile are scaled by it.
+    #: (:func:`._clock.steady_pace`): its times in the profile are scaled by it.
     pace_factor = 1.0
+    #: Plain steps with every layer recomputed over plain steps, back to back
+    #: (:func:`._clock.steady_pace`); None where recomputation was not timed.
+    recompute_ratio: float | None = None
+    #: What :meth:`at_steady_pace` scaled the costs of recomputation by.
+    recompute_scale = 1.0
     #: What :meth:`profile` measured, so that :meth:`rebuild` can model it again.
     measured: _Measured | None = None
 
@@ -201,7 +206,11 @@ class HostAndDevice(Together):
             ]
         # The device's times at the pace of steady training (NOTE [A GPU at its power
         # limit] in ``_clock.py``): these were timed after pauses or held back.
-        pace = self.pace_factor = steady_factor(self.step, self.clock, self.steps)
+        steady = steady_pace(
+            self.step, self.clock, self.steps, recompute=self._recompute_all if recompute else None
+        )
+        pace = self.pace_factor = steady.factor
+        self.recompute_ratio = steady.recompute_ratio
         self.measured = _Measured(
             base=base,
             costs=costs,
@@ -273,6 +282,21 @@ class HostAndDevice(Together):
         # phase of the host would pass on to every estimate.
         kept = estimate(modelled, [Choice.KEEP] * n).step_ms
         return replace(modelled, other_ms=max(got.plain_ms - kept, 0.0))
+
+    def _recompute_all(self) -> Any:
+        from ..layers import offload_layers
+
+        return offload_layers(self.layers, offloaded=(), recomputed=range(len(self.layers)))
+
+    def at_steady_pace(self, profile: Profile) -> Profile:
+        """``profile`` (this one's, with or without parts) with its costs of recomputation
+        scaled to what :meth:`profile` read of steady training (NOTE [Recomputation at the
+        pace of steady training] in ``_clock.py``); unchanged where it did not time
+        recomputation."""
+        if self.recompute_ratio is None:
+            return profile
+        self.recompute_scale = recompute_scale(profile, self.recompute_ratio)
+        return recompute_scaled(profile, self.recompute_scale)
 
     def part_host(self, profile: Profile, pace: str | None = None) -> Profile:
         """``profile`` (with parts) with the host's fixed cost per part, from probes in

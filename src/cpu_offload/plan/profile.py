@@ -14,7 +14,8 @@ Times are measured one of two ways (:mod:`._timing`):
   enqueued the layer), for kept layers, for every layer recomputed, and for half the
   layers offloaded: what recomputing and offloading add on each side. The device's
   times are scaled to its pace in plain steps back to back, which a GPU at its power
-  limit runs slower than steps after a pause (:mod:`._clock`).
+  limit runs slower than steps after a pause, and the costs of recomputation to what
+  plain steps with every layer recomputed take back to back (:mod:`._clock`).
 * *Together* (the CPU stand-in, or ``host=False``): one time per layer, scaled to a step
   run without hooks; recomputation's cost from a step with every layer recomputed,
   shared out by forward time; offloading adds no compute time.
@@ -224,6 +225,8 @@ def profile_model(
         if isinstance(measured, HostAndDevice):
             profile = parts_at_pace(profile, measured.pace_factor)
             profile = measured.part_host(profile)
+    if isinstance(measured, HostAndDevice):
+        profile = measured.at_steady_pace(profile)
     return profile
 
 

@@ -1,0 +1,224 @@
+"""Recomputation at the pace of steady training (``cpu_offload/plan/_clock.py``, NOTE
+[Recomputation at the pace of steady training]): steps with every layer recomputed read
+beside the plain ones, and the profile's costs of recomputation scaled to them."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import cpu_offload.plan._clock as clock_module
+import cpu_offload.plan._probe as probe_module
+from cpu_offload.plan import Choice, estimate, profile_model
+from cpu_offload.plan._clock import (
+    SCALE_RANGE,
+    SteadyPace,
+    recompute_scale,
+    recompute_scaled,
+    steady_pace,
+)
+from cpu_offload.plan._probe import Clock
+from cpu_offload.plan.costs import HostCost, LayerCost, PartCost, Storage
+from cpu_offload.plan.model import Link, Profile
+
+
+class _Device:
+    """Plain steps of a device at its power limit, ``recomputed_ms`` under the recompute
+    context; records what ran."""
+
+    def __init__(self, steady_ms: float, paused_ms: float, recomputed_ms: float) -> None:
+        self.steady_ms, self.paused_ms, self.recomputed_ms = steady_ms, paused_ms, recomputed_ms
+        self.paused = self.recomputing = False
+        self.log: list[str] = []
+
+    def plain(self, step: Any, clock: Clock, steps: int) -> float:
+        self.log.append("again" if self.recomputing else "plain")
+        ms = self.paused_ms if self.paused else self.steady_ms
+        self.paused = False
+        return self.recomputed_ms if self.recomputing else ms
+
+    def sleep(self, seconds: float) -> None:
+        self.log.append("pause")
+        self.paused = True
+
+    @contextlib.contextmanager
+    def recompute(self) -> Iterator[None]:
+        self.recomputing = True
+        try:
+            yield
+        finally:
+            self.recomputing = False
+
+
+def _device(monkeypatch: pytest.MonkeyPatch, **ms: float) -> _Device:
+    device = _Device(**ms)
+    monkeypatch.setattr(clock_module, "plain_step_ms", device.plain)
+    monkeypatch.setattr(probe_module, "plain_step_ms", device.plain)  # run_for's steps
+    monkeypatch.setattr(clock_module.time, "sleep", device.sleep)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    return device
+
+
+def _cuda_clock() -> Clock:
+    clock = Clock(False, events=False)
+    clock.cuda = True  # read as CUDA; every device call is stood in
+    return clock
+
+
+def test_each_pair_reads_recomputation_back_to_back_beside_the_steady_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    device = _device(monkeypatch, steady_ms=20.0, paused_ms=19.0, recomputed_ms=26.0)
+    got = steady_pace(
+        lambda: torch.zeros(()),
+        _cuda_clock(),
+        steps=2,
+        pairs=2,
+        warm_s=0.0,
+        recompute=device.recompute,
+    )
+    assert got == SteadyPace(pytest.approx(20.0 / 19.0), pytest.approx(26.0 / 20.0))
+    # Each pair: the steady reading, the reading with every layer recomputed, a pause,
+    # the reading after it (no warm-up steps: warm_s is 0).
+    pair = ["plain", "plain", "again", "again", "pause", "plain", "plain"]
+    assert device.log == pair + pair
+
+
+def test_the_warm_up_runs_under_the_recomputation_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    device = _device(monkeypatch, steady_ms=20.0, paused_ms=19.0, recomputed_ms=26.0)
+    steady_pace(
+        lambda: torch.zeros(()),
+        _cuda_clock(),
+        steps=1,
+        pairs=1,
+        warm_s=1e-3,
+        recompute=device.recompute,
+    )
+    first_again = device.log.index("again")
+    # At least one untimed step back to back before the timed one, under the context.
+    assert device.log[first_again + 1] == "again" and device.log.index("pause") > first_again + 1
+
+
+def test_the_cpu_stand_in_reads_recomputation_once_without_pauses() -> None:
+    model = nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+    calls = {"plain": 0, "again": 0}
+    again = [False]
+
+    def step() -> torch.Tensor:
+        calls["again" if again[0] else "plain"] += 1
+        return model(x).sum()
+
+    @contextlib.contextmanager
+    def recompute() -> Iterator[None]:
+        again[0] = True
+        try:
+            yield
+        finally:
+            again[0] = False
+
+    clock = Clock(False, events=False)
+    assert steady_pace(step, clock, steps=3) == SteadyPace() and calls["plain"] == 0
+    got = steady_pace(step, clock, steps=3, pairs=5, recompute=recompute)
+    assert got.factor == 1.0 and got.recompute_ratio is not None and got.recompute_ratio > 0
+    assert calls == {"plain": 3, "again": 3}
+
+
+def _layer(host: HostCost | None = None, **kwargs: Any) -> LayerCost:
+    return LayerCost(1.0, 2.0, 100, 80, 10, recompute_ms=1.0, host=host, **kwargs)
+
+
+def test_scaled_costs_are_the_recomputations_and_only_those() -> None:
+    host = HostCost(
+        0.5,
+        0.6,
+        offload_forward_ms=0.1,
+        offload_backward_ms=0.2,
+        recompute_forward_ms=0.3,
+        recompute_backward_ms=0.7,
+        engaged_forward_ms=0.05,
+        part_recompute_forward_ms=0.01,
+        part_recompute_backward_ms=0.02,
+        part_offload_forward_ms=0.03,
+        own_forward_ms=0.4,
+    )
+    part = PartCost("mlp", forward_ms=0.6, host_ms=0.2, saved=(0,), inputs=())
+    layer = _layer(host, storages=(Storage(100, 80),), parts=(part,))
+    profile = Profile((layer, replace(layer, recompute_ms=None)), Link(1.0, 1.0), other_ms=3.0)
+    got = recompute_scaled(profile, 2.0)
+    assert got.other_ms == 3.0 and got.link == profile.link
+    want_host = replace(
+        host,
+        recompute_forward_ms=0.6,
+        recompute_backward_ms=1.4,
+        part_recompute_forward_ms=0.02,
+        part_recompute_backward_ms=0.04,
+    )
+    want_part = replace(part, forward_ms=1.2)
+    assert got.layers[0] == replace(layer, recompute_ms=2.0, host=want_host, parts=(want_part,))
+    # A layer whose recomputation is its forward (recompute_ms None) gets it as a figure.
+    assert got.layers[1].recompute_ms == 2.0 and got.layers[1].forward_ms == 1.0
+    assert recompute_scaled(profile, 1.0) is profile
+
+
+@pytest.mark.parametrize("bound", ["device", "host"])
+def test_the_scale_makes_the_model_run_the_measured_ratio(bound: str) -> None:
+    # The device bounds: 1 ms of recomputation a layer on the device, nothing on the
+    # host. The host bounds: 4 ms of host time a layer's backward, 2 ms more recomputed.
+    host = None if bound == "device" else HostCost(4.0, 4.0, recompute_backward_ms=2.0)
+    profile = Profile((_layer(host),) * 4, Link(1.0, 1.0), other_ms=2.0)
+    keep = estimate(profile, [Choice.KEEP] * 4).step_ms
+    for want in (1.2, 1.3, 1.4):
+        scale = recompute_scale(profile, want)
+        assert SCALE_RANGE[0] < scale < SCALE_RANGE[1]
+        again = estimate(recompute_scaled(profile, scale), [Choice.RECOMPUTE] * 4).step_ms
+        assert again / keep == pytest.approx(want, rel=1e-9)
+        assert estimate(recompute_scaled(profile, scale), [Choice.KEEP] * 4).step_ms == keep
+
+
+def test_the_scale_stays_in_its_range_and_is_one_with_nothing_to_scale() -> None:
+    profile = Profile((_layer(),) * 4, Link(1.0, 1.0))
+    assert recompute_scale(profile, 1.0) == SCALE_RANGE[0]  # recomputation for free
+    assert recompute_scale(profile, 5.0) == SCALE_RANGE[1]
+    assert recompute_scale(profile, float("nan")) == 1.0
+    free = Profile((replace(_layer(), recompute_ms=0.0),) * 4, Link(1.0, 1.0))
+    assert recompute_scale(free, 1.3) == 1.0
+
+
+def test_a_cpu_profile_of_host_and_device_models_its_measured_ratio() -> None:
+    # The CPU stand-in's host=True profile reads the ratio from real steps; its model of
+    # recomputing every layer then runs that ratio of its model of keeping them (unless
+    # the scale met its range).
+    import cpu_offload.plan._timing as timing_module
+
+    runners: list[Any] = []
+    real = timing_module.HostAndDevice.profile
+
+    def recorded(self: Any, *args: Any) -> Any:
+        runners.append(self)
+        return real(self, *args)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        *[nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(3)]
+    )
+    x = torch.randn(256, 64)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(timing_module.HostAndDevice, "profile", recorded)
+        profile = profile_model(
+            model, lambda: model(x).sum(), steps=2, host=True, min_tensor_size_to_offload=64
+        )
+    (runner,) = runners
+    assert runner.recompute_ratio is not None and runner.recompute_ratio > 0
+    keep = estimate(profile, [Choice.KEEP] * 3).step_ms
+    again = estimate(profile, [Choice.RECOMPUTE] * 3).step_ms
+    if SCALE_RANGE[0] < runner.recompute_scale < SCALE_RANGE[1]:
+        assert again / keep == pytest.approx(runner.recompute_ratio, rel=1e-6)
+    else:
+        assert runner.recompute_scale in SCALE_RANGE
