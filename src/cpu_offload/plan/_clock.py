@@ -45,21 +45,20 @@ __all__ = [
 
 # NOTE [Recomputation at the pace of steady training]
 # The factor above covers the clock of the whole step, not what recomputation costs in
-# it. On an H200 (compare's model, factor 1.049) the profile's device times read a
-# layer's recomputation at 0.716 ms, whether the stream was held back before each layer
-# or once before each pass (0.718: the holds' idle time is not the cause), against
-# 0.836 ms from events around the layers and 0.801 ms from plain steps, after 1 s of
-# steps back to back (benchmarks/device_clock.py --what holds). On Megatron-Core's GPT,
-# which the host bounds, a profile's host times added 2.07 ms a recomputed layer, and
-# plain steps with every layer recomputed took 2.45 ms a layer more than without. In
-# ``benchmarks/plan.py`` that model's recomputing methods and plans were modelled 5 to
-# 15% below their measured steps, and compare's "recompute all" 4 to 13% below. So the
-# pairs of readings above also time plain steps with every layer recomputed, back to
-# back after the same warm-up as the steady reading beside them, and the profile's
-# costs of recomputation (the device's and the host's, of layers and of their parts)
-# are scaled by one factor, so that the model of recomputing every layer runs the
-# measured ratio of its model of keeping every layer. Where the model was right, the
-# factor reads about 1.
+# it. On an H200 (compare's model) the profile's device times read a layer's
+# recomputation at 0.722 ms, whether the stream was held back before each layer or
+# once before each pass (the holds' idle time is not the cause), against 0.810 ms from
+# events around the layers and 0.825 ms from plain steps, after 1 s of steps back to
+# back (benchmarks/device_clock.py --what holds). On models the host bounds, what
+# recomputation adds is host time, and it moved between runs: Megatron-Core's GPT's
+# recomputing plans and methods were modelled 5 to 15% below their measured steps in
+# one run of ``benchmarks/plan.py``, and in a later run the steady reading below put
+# recomputation at 0.72 of what that profile read. So the pairs of readings above also
+# time plain steps with every layer recomputed, back to back after the same warm-up
+# as the steady reading beside them, and the profile's costs of recomputation (the
+# device's and the host's, of layers and of their parts) are scaled by one factor, so
+# that the model of recomputing every layer runs the measured ratio of its model of
+# keeping every layer. Where the model was right, the factor reads about 1.
 
 #: Seconds of untimed steps back to back before a reading at the pace of steady
 #: training: :func:`steady_factor`'s default, and what ``cpu-offload plan`` and
