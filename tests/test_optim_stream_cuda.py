@@ -376,3 +376,46 @@ def test_dummy_step_load_and_add_param_group(deterministic: None) -> None:
     _train(reference, ref_opt, 2, start=2)
     _train(fresh, fresh_opt, 2, start=2)
     _assert_equal(fresh, reference)
+
+
+def test_a_lane_failing_part_way_raises_its_own_error(
+    deterministic: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The lane queues one bucket and fails; marking the streamed parameters for their
+    # readers then fails too. The caller gets the lane's error, the marking's as a note,
+    # and reads of the parameters after it do not hang.
+    import sys
+
+    import cpu_offload.optim._forward_overlap as overlap_module
+
+    model = _model()
+    opt = _optimizer(
+        model, offload_fraction=1.0, stream_share=0.5, overlap_host_step_with_forward=True
+    )
+    queue = stream_module.StateStream.queue
+    mark = overlap_module.ForwardOverlap.mark_queued
+
+    def failing_queue(self: Any, subs: Any, before_step: Any) -> int:
+        queue(self, subs[:1], before_step)
+        raise RuntimeError("the lane failed")
+
+    def failing_mark(self: Any, entries: Any) -> None:
+        mark(self, entries)
+        raise RuntimeError("marking failed")
+
+    monkeypatch.setattr(stream_module.StateStream, "queue", failing_queue)
+    monkeypatch.setattr(overlap_module.ForwardOverlap, "mark_queued", failing_mark)
+    _loss(model, 0, 0).backward()
+    if sys.version_info >= (3, 11):
+        with pytest.raises(RuntimeError, match="the lane failed") as info:
+            opt.step()
+        assert any("marking failed" in note for note in info.value.__notes__)
+    else:
+        with (
+            pytest.warns(RuntimeWarning, match="marking failed"),
+            pytest.raises(RuntimeError, match="the lane failed"),
+        ):
+            opt.step()
+    for p in model.parameters():
+        assert torch.isfinite(p.float()).all()
+    torch.cuda.synchronize()

@@ -10,6 +10,7 @@ its layout (``_build``) set up the attributes they read.
 from __future__ import annotations
 
 import time
+import warnings
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 
@@ -218,11 +219,15 @@ class HybridStepper(torch.optim.Optimizer):
             # (queued first, it delayed the host lane: 325.1 against 296.8 ms at
             # fraction 1.0 with a 0.375 share on workload C, docs/benchmarks.md).
             assert self._lane is not None and before_step is not None
+            streamed = [e for sub in lane_subs for e in sub.entries]
             try:
                 streamed_numel = self._lane.queue(lane_subs, before_step)
-            finally:
-                # Readers wait for whatever was queued, also after a failure part-way.
-                self._overlap.mark_queued([e for sub in lane_subs for e in sub.entries])
+            except BaseException as failed:
+                # Readers wait for whatever was queued, also after a failure part-way;
+                # the lane's error is the one the caller gets.
+                _mark_after_failure(self._overlap, streamed, failed)
+                raise
+            self._overlap.mark_queued(streamed)
         if not later:
 
             def settle(index: int) -> None:
@@ -337,6 +342,22 @@ class HybridStepper(torch.optim.Optimizer):
             if is_current_stream_capturing():
                 return None
         return pieces
+
+
+def _mark_after_failure(
+    overlap: ForwardOverlap, entries: list[Entry], failed: BaseException
+) -> None:
+    """:meth:`ForwardOverlap.mark_queued` after ``failed`` ended the lane's queueing: an
+    error of the marking is added to ``failed`` as a note (a warning before Python
+    3.11), never raised in its place."""
+    try:
+        overlap.mark_queued(entries)
+    except Exception as also:
+        text = f"marking the streamed parameters for their readers also failed: {also!r}"
+        if hasattr(failed, "add_note"):
+            failed.add_note(text)
+        else:
+            warnings.warn(text, RuntimeWarning, stacklevel=3)
 
 
 def _one_cuda_device(entries: list[Entry]) -> torch.device | None:
