@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from plan import WORKLOAD_DIMS, _build  # noqa: E402
+from _plan_workloads import WORKLOAD_DIMS, build  # noqa: E402
 
 import cpu_offload.plan._probe as probe_module  # noqa: E402
 from cpu_offload import offload_layers  # noqa: E402
@@ -215,7 +215,7 @@ def main() -> int:
         parser.error(f"--seconds must be > 0, got {args.seconds}")
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device: it times a GPU's clock")
-    model, step = _build(args.workload, False)
+    model, step = build(args.workload, False)
     clock = Clock(True)
     if "warmup" in what:
         warmup(step, clock, args.seconds)

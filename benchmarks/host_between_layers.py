@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _plan_workloads import WORKLOAD_DIMS, build  # noqa: E402
 from _report import timed_as_users_train  # noqa: E402
-from plan import WORKLOAD_DIMS, _build  # noqa: E402
 
 from cpu_offload._compat import in_backward  # noqa: E402
 from cpu_offload._layer_stack import find_layers  # noqa: E402
@@ -111,7 +111,7 @@ def main() -> int:
     print("| workload | round | layers | forward ms | before | inside | between | after |")
     print("|---|---:|---|---:|---:|---:|---:|---:|")
     for name in names:
-        model, step = _build(name, args.quick)
+        model, step = build(name, args.quick)
         layers = find_layers(model)
         with timed_as_users_train():
             for r in range(args.rounds):

@@ -22,8 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _plan_workloads import build  # noqa: E402
 from _report import timed_as_users_train  # noqa: E402
-from plan import _build  # noqa: E402
 
 from cpu_offload import offload_layers  # noqa: E402
 from cpu_offload.plan._probe import host_probe_ms  # noqa: E402
@@ -40,7 +40,7 @@ def _correlation(xs: list[float], ys: list[float]) -> float:
 def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
-    model, step = _build("llama", False)
+    model, step = build("llama", False)
     params = [p for p in model.parameters() if p.requires_grad]
     letters = os.environ.get("PLAN", "ORROKKKKKKRK")
     seconds = float(os.environ.get("DURATION", "60"))

@@ -27,8 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _plan_workloads import build  # noqa: E402
 from _report import timed_as_users_train  # noqa: E402
-from plan import _build  # noqa: E402
 
 from cpu_offload import offload_layers  # noqa: E402
 
@@ -43,7 +43,7 @@ DEFAULT_PLANS = {
 def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
-    model, step = _build(os.environ.get("W", "llama"), False)
+    model, step = build(os.environ.get("W", "llama"), False)
     plans = json.loads(os.environ["PLANS"]) if "PLANS" in os.environ else DEFAULT_PLANS
     steps = int(os.environ.get("STEPS", "20"))
     params = [p for p in model.parameters() if p.requires_grad]

@@ -36,12 +36,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime
-import inspect
 import json
 import statistics
 import sys
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -51,13 +48,12 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _models import LLAMA_VOCAB, MEGATRON_VOCAB, llama, megatron_gpt  # noqa: E402
+from _plan_report import markdown, whole_letters  # noqa: E402
+from _plan_workloads import WORKLOAD_DIMS, build, own_methods  # noqa: E402
 from _report import bit_identical, exact, run_isolated, timed_as_users_train, write_reports  # noqa: E402
-from activation_offload import WORKLOADS  # noqa: E402
 
 from cpu_offload._layer_stack import find_layers  # noqa: E402
 from cpu_offload.cli.plan import parse_budget  # noqa: E402
-from cpu_offload.models import ModelSpec, build_layers, run_layers  # noqa: E402
 from cpu_offload.plan import (  # noqa: E402
     Choice,
     NoPlanFits,
@@ -74,51 +70,6 @@ from cpu_offload.plan._probe import host_probe_ms  # noqa: E402
 from cpu_offload.plan._rounds import calm, calm_reference  # noqa: E402
 from cpu_offload.plan._timing import HostAndDevice  # noqa: E402
 from cpu_offload.plan.profile import measure_choices  # noqa: E402
-
-# Each workload: its builder and its dimensions, full and --quick.
-WORKLOAD_DIMS = {
-    "llama": ("llama", dict(layers=12, hidden=1024, seq=2048, batch=4)),
-    "megatron": ("megatron", dict(layers=12, hidden=1024, heads=8, seq=2048, batch=2)),
-    "D": ("megatron", dict(layers=16, hidden=2048, heads=16, seq=2048, batch=2)),
-    # cpu-offload compare's default model on a GPU.
-    "compare": ("gpt", dict(hidden=2048, heads=16, batch=2, seq=2048, layers=8)),
-    "A": ("gpt", WORKLOADS["A"]),
-}
-QUICK_DIMS = {
-    "llama": dict(layers=8, hidden=512, seq=1024, batch=4),
-    "megatron": dict(layers=8, hidden=512, heads=8, seq=1024, batch=2),
-    "D": dict(layers=8, hidden=1024, heads=8, seq=1024, batch=2),
-    "compare": dict(hidden=1024, heads=8, batch=2, seq=1024, layers=8),
-    "A": dict(hidden=2048, heads=16, batch=2, seq=2048, layers=8),
-}
-
-
-def _gpt(dims: dict) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
-    spec = ModelSpec(kind="gpt", dtype=torch.bfloat16, **dims)
-    layers = build_layers(spec, "cuda")
-    x = spec.make_input("cuda")
-    return layers, lambda: run_layers(layers, x).float().square().mean()
-
-
-def _llama(dims: dict) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
-    model = llama(dims["hidden"], dims["layers"], dims["seq"])
-    ids = torch.randint(0, LLAMA_VOCAB, (dims["batch"], dims["seq"]), device="cuda")
-    return model, lambda: model(input_ids=ids, labels=ids, use_cache=False).loss
-
-
-def _megatron(dims: dict) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
-    # offload_layers finds Float16Module's module.decoder.layers.
-    model, loss = megatron_gpt(
-        dims["layers"], dims["hidden"], dims["heads"], dims["seq"], dims["batch"]
-    )
-    tokens = torch.randint(0, MEGATRON_VOCAB, (dims["batch"], dims["seq"]), device="cuda")
-    return model, lambda: loss(tokens)
-
-
-def _build(name: str, quick: bool) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
-    kind, dims = WORKLOAD_DIMS[name]
-    dims = QUICK_DIMS[name] if quick else dims
-    return {"llama": _llama, "megatron": _megatron, "gpt": _gpt}[kind](dims)
 
 
 def _params(model: nn.Module) -> list[torch.Tensor]:
@@ -223,42 +174,6 @@ def _alternated(  # type: ignore[no-untyped-def]
     return out
 
 
-def _own_methods(model: nn.Module) -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
-    """A ``transformers`` model's own activation checkpointing of every decoder layer, with
-    and (where its version has it) without ``offload=True``; none for other models.
-    ``activation_checkpointing_enable`` where the version has it, else the older
-    ``gradient_checkpointing_enable``."""
-    new = hasattr(model, "activation_checkpointing_enable")
-    prefix = "activation" if new else "gradient"
-    enable = getattr(model, f"{prefix}_checkpointing_enable", None)
-    if enable is None or not getattr(model, "supports_gradient_checkpointing", False):
-        return {}
-    disable = getattr(model, f"{prefix}_checkpointing_disable")
-
-    def installer(offload: bool) -> Callable[[], contextlib.AbstractContextManager]:
-        @contextlib.contextmanager
-        def installed():  # type: ignore[no-untyped-def]
-            kwargs: dict = {f"{prefix}_checkpointing_kwargs": {"use_reentrant": False}}
-            if offload:
-                kwargs["offload"] = True
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", FutureWarning)
-                enable(**kwargs)
-            try:
-                yield
-            finally:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", FutureWarning)
-                    disable()
-
-        return installed
-
-    out = {"transformers checkpointing": installer(False)}
-    if "offload" in inspect.signature(enable).parameters:
-        out["transformers checkpointing, offload=True"] = installer(True)
-    return out
-
-
 def _exact(model: nn.Module, step: Callable[[], torch.Tensor], plans: list) -> list[bool]:  # type: ignore[type-arg]
     """Whether each plan's first step (loss and every gradient) is bit-identical to no plan."""
     with exact():
@@ -282,7 +197,7 @@ def _run(  # type: ignore[no-untyped-def]
     ks: list[int] | None = None,
     warmup_s: float = 0.0,
 ) -> dict:
-    model, step = _build(name, quick)
+    model, step = build(name, quick)
     with timed_as_users_train():
         result = _timed(model, step, name, fractions, rounds, steps, warmup, parts, ks, warmup_s)
     plans = result.pop("plans")
@@ -325,7 +240,7 @@ def _timed(  # type: ignore[no-untyped-def]
         if wanted is None or m.split()[-1] in wanted | {"all"}
     }
     methods |= part_methods(profile) if parts else {}
-    own = _own_methods(model)
+    own = own_methods(model)
 
     # The plans for the budgets, each applied once with its budget check; with parts,
     # the plan of whole layers for the same budget runs beside them as a method.
@@ -448,15 +363,6 @@ def _timed(  # type: ignore[no-untyped-def]
     }
 
 
-def _pace_text(factor: float | None, scale: float | None = None) -> str:
-    """The profile's pace factor (NOTE [A GPU at its power limit]) and its scale of
-    recomputation (NOTE [Recomputation at the pace of steady training]), where recorded."""
-    text = "" if factor is None else f"; device times scaled by {factor:.3f} to steady pace"
-    if scale is not None:
-        text += f", recomputation by {scale:.3f}"
-    return text
-
-
 @contextlib.contextmanager
 def _runners() -> Iterator[list[HostAndDevice]]:
     """The :class:`HostAndDevice` runners that profile the model inside the block."""
@@ -472,115 +378,6 @@ def _runners() -> Iterator[list[HostAndDevice]]:
         yield runners
     finally:
         HostAndDevice.profile = real  # type: ignore[method-assign]
-
-
-def whole_letters(choices: tuple) -> str:  # type: ignore[type-arg]
-    """``K``/``O``/``R`` per layer of a whole-layer plan."""
-    return "".join(c.value[0].upper() for c in choices)
-
-
-def _parts_text(parts: dict[str, dict[str, str]]) -> str:
-    """The layers planned part by part, those alike together: ``layers 0-3: core recompute``."""
-    groups: dict[str, list[int]] = {}
-    for j, choices in parts.items():
-        text = ", ".join(f"{name} {c}" for name, c in choices.items()) or "all kept"
-        groups.setdefault(text, []).append(int(j))
-    return "; ".join(
-        f"layers {','.join(map(str, js))}: {text}"
-        for text, js in sorted(groups.items(), key=lambda g: g[1])
-    )
-
-
-def _calm_text(row: dict, singles: dict) -> str:
-    """The plan's figures over the rounds its host probe read calm."""
-    if row["calm_ms"] is None:
-        return "no calm round"
-    text = f"{row['calm_ms']:.1f} ({row['calm_rounds']}), {row['model_step_error_calm']:+.1%}"
-    best = row["best_single_calm"]
-    if best is not None:
-        text += (
-            f", {best} ({singles[best]['calm_ms']:.1f}, {singles[best]['calm_rounds']}), "
-            f"{row['speedup_vs_best_single_calm']:.2f}x"
-        )
-    missing = row.get("singles_without_calm_round", 0)
-    return text + (f"; {missing} method(s) at <= peak without a calm round" if missing else "")
-
-
-def _calm_host_text(row: dict) -> str:
-    """The plan's model error (against the median) with the host's times of the calm
-    rounds only, where modelled."""
-    error = row.get("model_step_error_calm_host")
-    return "" if error is None else f" [{error:+.1%}]"
-
-
-def _spread(round_medians: list[float]) -> float:
-    """How far a configuration's rounds lie apart: (slowest - fastest) / median."""
-    return (max(round_medians) - min(round_medians)) / statistics.median(round_medians)
-
-
-def _markdown(
-    results: list[dict], device: str, rounds: int, steps: int, warmup: int, warmup_s: float = 0.0
-) -> str:
-    gib = 2**30
-    out = [
-        f"Measured {datetime.date.today().isoformat()} on {device}, torch {torch.__version__}; "
-        f"median over {rounds} rounds that take the configurations in turn, each the median "
-        f"of {steps} steps after {warmup} and {warmup_s:g} s of untimed steps back to back "
-        "(timed without CUBLAS_WORKSPACE_CONFIG and "
-        "deterministic algorithms, as users train); "
-        "peak of torch.cuda.max_memory_allocated (the first step's for the model "
-        "error, before any tightening by the budget check); budgets are fractions of the "
-        "measured peak without a plan; exact: the first step's loss and every gradient "
-        "bit-identical to no plan.",
-        "",
-    ]
-    for res in results:
-        if "error" in res:
-            out += [f"Workload {res['workload']}: {res['error']}", ""]
-            continue
-        none = res["none"]["measured"]
-        out += [
-            f"#### Workload {res['workload']}, {res['layers']} layers (no offloading: "
-            f"{none[0]:.1f} ms, {none[1] / gib:.2f} GiB; modelled "
-            f"{res['none']['modelled'][0]:.1f} ms, {res['none']['modelled'][1] / gib:.2f} GiB"
-            + _pace_text(res.get("pace_factor"), res.get("recompute_scale"))
-            + ")",
-            "",
-            "| budget GiB | plan | modelled ms / GiB | measured ms / GiB | spread of the rounds "
-            "| model error step (fastest round) [calm host's model] / peak | exact | best single method at <= peak | its ms / GiB "
-            "| plan speedup | calm rounds: plan ms (rounds), model error, best single (ms, rounds), speedup |",
-            "|---:|---|---:|---:|---:|---:|---|---|---:|---:|---|",
-        ]
-        for r in res["rows"]:
-            if "error" in r:
-                out.append(f"| {r['budget_bytes'] / gib:.2f} | {r['error']} | | | | | | | | | |")
-                continue
-            best = r["best_single_measured"]
-            plan = r["plan"]
-            if r["final_plan"] != plan:
-                plan += f" (tightened to {r['final_plan']})"
-            out.append(
-                f"| {r['budget_bytes'] / gib:.2f} | {plan} | {r['modelled'][0]:.1f} / "
-                f"{r['modelled'][1] / gib:.2f} | {r['measured'][0]:.1f} / "
-                f"{r['measured'][1] / gib:.2f}{'' if r['within_budget'] else ' (over)'} | "
-                f"{_spread(r['round_medians_ms']):.1%} | "
-                f"{r['model_step_error']:+.1%} ({r['model_step_error_fastest']:+.1%})"
-                f"{_calm_host_text(r)} / {r['model_peak_error']:+.1%} | "
-                f"{'yes' if r['exact'] else 'NO'} | {r['best_single'] or '-'} | "
-                + ("-" if best is None else f"{best[0]:.1f} / {best[1] / gib:.2f}")
-                + " | "
-                + (
-                    "-"
-                    if r["speedup_vs_best_single"] is None
-                    else f"{r['speedup_vs_best_single']:.2f}x"
-                )
-                + f" | {_calm_text(r, res['singles'])} |"
-            )
-        for r in res["rows"]:
-            if r.get("parts"):
-                out += ["", f"Plan {r['plan']} part by part: {_parts_text(r['parts'])}."]
-        out.append("")
-    return "\n".join(out)
 
 
 def _isolated(name: str, args: argparse.Namespace) -> dict:
@@ -678,9 +475,9 @@ def main() -> int:
     for name in names:
         print(f"plan benchmark: workload {name}", file=sys.stderr, flush=True)
         results.append(_isolated(name, args))
-        md = _markdown(results, device, args.rounds, args.steps, args.warmup, args.warmup_s)
+        md = markdown(results, device, args.rounds, args.steps, args.warmup, args.warmup_s)
         write_reports(args.json, args.markdown, device, results, md, quick=args.quick)
-    print(_markdown(results, device, args.rounds, args.steps, args.warmup, args.warmup_s))
+    print(markdown(results, device, args.rounds, args.steps, args.warmup, args.warmup_s))
     return 0 if all("error" not in r for r in results) else 1
 
 

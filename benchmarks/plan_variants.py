@@ -30,8 +30,9 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _plan_workloads import WORKLOAD_DIMS, build  # noqa: E402
 from _report import timed_as_users_train  # noqa: E402
-from plan import WORKLOAD_DIMS, _alternated, _build  # noqa: E402
+from plan import _alternated  # noqa: E402
 
 from cpu_offload._layer_stack import find_layers  # noqa: E402
 from cpu_offload.layers import offload_layers  # noqa: E402
@@ -86,7 +87,7 @@ def main() -> int:
         p.error("this benchmark needs a CUDA GPU")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model, step = _build(args.workload, False)
+    model, step = build(args.workload, False)
     n = len(find_layers(model))
     plans = [s.strip() for s in args.plans.split(",") if s.strip()]
     configs = {plan: _choices(plan, n) for plan in plans}

@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _plan_workloads import WORKLOAD_DIMS, build  # noqa: E402
 from _report import timed_as_users_train  # noqa: E402
-from plan import WORKLOAD_DIMS, _build  # noqa: E402
 
 from cpu_offload._layer_stack import find_layers  # noqa: E402
 from cpu_offload.layers import offload_layers  # noqa: E402
@@ -105,7 +105,7 @@ def main() -> int:
     for name in args.workloads.split(","):
         if name not in WORKLOAD_DIMS:
             p.error(f"--workloads: {name!r} is not one of {sorted(WORKLOAD_DIMS)}")
-        model, step = _build(name, False)
+        model, step = build(name, False)
         layers = find_layers(model)
         n = len(layers)
         with timed_as_users_train():

@@ -54,8 +54,8 @@ def test_the_report_shows_the_pace_and_the_warm_up() -> None:
         "rows": [],
         "singles": {},
     }
-    text = plan._markdown([result], "NVIDIA H200", 5, 3, 2, 0.3)
+    text = plan.markdown([result], "NVIDIA H200", 5, 3, 2, 0.3)
     assert "after 2 and 0.3 s of untimed steps back to back" in text
     assert "modelled 22.4 ms, 3.00 GiB; device times scaled by 1.062 to steady pace)" in text
     del result["pace_factor"]  # results written before the factor was recorded
-    assert "modelled 22.4 ms, 3.00 GiB)" in plan._markdown([result], "d", 5, 3, 2)
+    assert "modelled 22.4 ms, 3.00 GiB)" in plan.markdown([result], "d", 5, 3, 2)
