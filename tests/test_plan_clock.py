@@ -15,7 +15,7 @@ import cpu_offload.plan._clock as clock_module
 import cpu_offload.plan._probe as probe_module
 import cpu_offload.plan._timing as timing_module
 from cpu_offload.plan import Choice, estimate, profile_model
-from cpu_offload.plan._clock import SteadyPace, steady_factor
+from cpu_offload.plan._clock import SteadyPace, steady_pace
 from cpu_offload.plan._probe import Clock
 
 LAYERS = 3
@@ -54,10 +54,12 @@ def _power_limited(
 
 def test_the_factor_is_steady_over_paused_in_pairs(monkeypatch: pytest.MonkeyPatch) -> None:
     device = _power_limited(monkeypatch, steady_ms=22.0, paused_ms=21.0)
-    factor = steady_factor(lambda: torch.zeros(()), Clock(False, events=False), steps=3)
+    factor = steady_pace(lambda: torch.zeros(()), Clock(False, events=False), steps=3).factor
     assert factor == 1.0 and device.log == []  # the CPU stand-in has no clock to read
 
-    factor = steady_factor(lambda: torch.zeros(()), _cuda_clock(), steps=3, pairs=2, warm_s=0.01)
+    factor = steady_pace(
+        lambda: torch.zeros(()), _cuda_clock(), steps=3, pairs=2, warm_s=0.01
+    ).factor
     assert factor == pytest.approx(22.0 / 21.0)
     # Each pair: steps back to back (the warm-up, then the steady reading), a pause, the
     # reading after it.
@@ -74,13 +76,15 @@ def test_a_slow_host_moment_does_not_move_the_factor(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(clock_module.time, "sleep", lambda seconds: None)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     # No warm-up steps: the readings only.
-    factor = steady_factor(lambda: torch.zeros(()), _cuda_clock(), steps=3, pairs=1, warm_s=0.0)
+    factor = steady_pace(
+        lambda: torch.zeros(()), _cuda_clock(), steps=3, pairs=1, warm_s=0.0
+    ).factor
     assert factor == pytest.approx(22.0 / 21.0)
 
 
 def test_a_paused_device_read_slower_counts_as_steady(monkeypatch: pytest.MonkeyPatch) -> None:
     _power_limited(monkeypatch, steady_ms=21.0, paused_ms=22.0)
-    assert steady_factor(lambda: torch.zeros(()), _cuda_clock()) == 1.0
+    assert steady_pace(lambda: torch.zeros(()), _cuda_clock()).factor == 1.0
 
 
 @pytest.mark.parametrize(
@@ -96,7 +100,7 @@ def test_a_paused_device_read_slower_counts_as_steady(monkeypatch: pytest.Monkey
 )
 def test_bad_arguments_are_refused_by_name(name: str, value: Any, allowed: str) -> None:
     with pytest.raises(ValueError, match=f"{name} must be {allowed}, got"):
-        steady_factor(lambda: torch.zeros(()), _cuda_clock(), **{name: value})
+        steady_pace(lambda: torch.zeros(()), _cuda_clock(), **{name: value})
 
 
 def _cuda_clock() -> Clock:

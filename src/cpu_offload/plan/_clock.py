@@ -24,7 +24,6 @@ __all__ = [
     "parts_at_pace",
     "recompute_scale",
     "recompute_scaled",
-    "steady_factor",
     "steady_pace",
 ]
 
@@ -61,7 +60,7 @@ __all__ = [
 # keeping every layer. Where the model was right, the factor reads about 1.
 
 #: Seconds of untimed steps back to back before a reading at the pace of steady
-#: training: :func:`steady_factor`'s default, and what ``cpu-offload plan`` and
+#: training: :func:`steady_pace`'s default, and what ``cpu-offload plan`` and
 #: ``benchmarks/plan.py`` give ``measure_choices`` (``warmup_s``).
 WARMUP_S = 0.3
 
@@ -141,19 +140,6 @@ def steady_pace(
         max(statistics.median(factors), 1.0) if factors else 1.0,
         statistics.median(ratios) if ratios else None,
     )
-
-
-def steady_factor(
-    step: Callable[[], torch.Tensor],
-    clock: Clock,
-    steps: int = 3,
-    pairs: int = 3,
-    warm_s: float = WARMUP_S,
-    pause_s: float = 0.05,
-) -> float:
-    """How much slower plain steps run back to back than right after a pause (>= 1):
-    :func:`steady_pace`'s ``factor``, with the same arguments (no ``recompute``)."""
-    return steady_pace(step, clock, steps, pairs, warm_s, pause_s).factor
 
 
 #: The range :func:`recompute_scale` keeps to: a reading outside it says more about the
@@ -244,7 +230,7 @@ def parts_at_pace(profile: Profile, factor: float) -> Profile:
 
     Args:
         profile: A profile with parts (``LayerCost.parts``); without, it is returned.
-        factor: What :func:`steady_factor` read.
+        factor: :attr:`SteadyPace.factor`.
 
     Returns:
         The profile with each part's ``forward_ms`` scaled; the layers' own times (scaled
