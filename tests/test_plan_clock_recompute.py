@@ -17,6 +17,7 @@ import cpu_offload.plan._clock as clock_module
 import cpu_offload.plan._probe as probe_module
 from cpu_offload.plan import Choice, estimate, profile_model
 from cpu_offload.plan._clock import (
+    DEVICE_BOUND_SHARE,
     SCALE_RANGE,
     SteadyPace,
     recompute_scale,
@@ -153,25 +154,19 @@ def test_scaled_costs_are_the_recomputations_and_only_those() -> None:
     profile = Profile((layer, replace(layer, recompute_ms=None)), Link(1.0, 1.0), other_ms=3.0)
     got = recompute_scaled(profile, 2.0)
     assert got.other_ms == 3.0 and got.link == profile.link
-    want_host = replace(
-        host,
-        recompute_forward_ms=0.6,
-        recompute_backward_ms=1.4,
-        part_recompute_forward_ms=0.02,
-        part_recompute_backward_ms=0.04,
-    )
+    # The host's costs stay as the profile's rounds measured them.
     want_part = replace(part, forward_ms=1.2)
-    assert got.layers[0] == replace(layer, recompute_ms=2.0, host=want_host, parts=(want_part,))
+    assert got.layers[0] == replace(layer, recompute_ms=2.0, parts=(want_part,))
     # A layer whose recomputation is its forward (recompute_ms None) gets it as a figure.
     assert got.layers[1].recompute_ms == 2.0 and got.layers[1].forward_ms == 1.0
     assert recompute_scaled(profile, 1.0) is profile
 
 
-@pytest.mark.parametrize("bound", ["device", "host"])
-def test_the_scale_makes_the_model_run_the_measured_ratio(bound: str) -> None:
-    # The device bounds: 1 ms of recomputation a layer on the device, nothing on the
-    # host. The host bounds: 4 ms of host time a layer's backward, 2 ms more recomputed.
-    host = None if bound == "device" else HostCost(4.0, 4.0, recompute_backward_ms=2.0)
+@pytest.mark.parametrize("host_ms", [None, 0.5])
+def test_the_scale_makes_the_model_run_the_measured_ratio(host_ms: float | None) -> None:
+    # The device bounds: 1 ms of recomputation a layer on the device, with no host
+    # times or with host times shorter than the device's.
+    host = None if host_ms is None else HostCost(host_ms, host_ms, recompute_backward_ms=0.2)
     profile = Profile((_layer(host),) * 4, Link(1.0, 1.0), other_ms=2.0)
     keep = estimate(profile, [Choice.KEEP] * 4).step_ms
     for want in (1.2, 1.3, 1.4):
@@ -180,6 +175,16 @@ def test_the_scale_makes_the_model_run_the_measured_ratio(bound: str) -> None:
         again = estimate(recompute_scaled(profile, scale), [Choice.RECOMPUTE] * 4).step_ms
         assert again / keep == pytest.approx(want, rel=1e-9)
         assert estimate(recompute_scaled(profile, scale), [Choice.KEEP] * 4).step_ms == keep
+
+
+def test_a_step_the_host_bounds_keeps_its_recomputation_as_measured() -> None:
+    # 4 ms of host time a layer's backward, 2 ms more recomputed, against the device's
+    # 2 ms backward and 1 ms recomputation: the device's costs barely move the step, and
+    # a reading of the ratio is left to the host's times from the profile's rounds.
+    host = HostCost(4.0, 4.0, recompute_backward_ms=2.0)
+    profile = Profile((_layer(host),) * 4, Link(1.0, 1.0), other_ms=2.0)
+    for want in (1.1, 1.3, 1.9):
+        assert recompute_scale(profile, want) == 1.0
 
 
 def test_the_scale_stays_in_its_range_and_is_one_with_nothing_to_scale() -> None:
@@ -218,7 +223,23 @@ def test_a_cpu_profile_of_host_and_device_models_its_measured_ratio() -> None:
     assert runner.recompute_ratio is not None and runner.recompute_ratio > 0
     keep = estimate(profile, [Choice.KEEP] * 3).step_ms
     again = estimate(profile, [Choice.RECOMPUTE] * 3).step_ms
-    if SCALE_RANGE[0] < runner.recompute_scale < SCALE_RANGE[1]:
+    scale = runner.recompute_scale
+    if SCALE_RANGE[0] < scale < SCALE_RANGE[1] and scale != 1.0:
         assert again / keep == pytest.approx(runner.recompute_ratio, rel=1e-6)
+    elif scale == 1.0:
+        # Left as measured: the device's recomputation moves the model's step by less
+        # than DEVICE_BOUND_SHARE of it (the CPU stand-in's host is its device too).
+        unscaled = recompute_scaled(profile, 1.0)
+        moved = [
+            estimate(recompute_scaled(unscaled, s), [Choice.RECOMPUTE] * 3).step_ms
+            for s in SCALE_RANGE
+        ]
+        # The stand-in's recomputation can read as 0 (its backward minus the kept one's).
+        device_ms = sum(c.rerun_ms for c in profile.layers)
+        span = (SCALE_RANGE[1] - SCALE_RANGE[0]) * device_ms
+        share = (moved[1] - moved[0]) / span if span > 0 else 0.0
+        assert share < DEVICE_BOUND_SHARE or again / keep == pytest.approx(
+            runner.recompute_ratio, rel=1e-6
+        )
     else:
-        assert runner.recompute_scale in SCALE_RANGE
+        assert scale in SCALE_RANGE
