@@ -155,7 +155,7 @@ class HostAndDevice(Together):
     #: Plain steps with every layer recomputed over plain steps, back to back
     #: (:func:`._clock.steady_pace`); None where recomputation was not timed.
     recompute_ratio: float | None = None
-    #: What :meth:`at_steady_pace` scaled the costs of recomputation by.
+    #: What :meth:`at_steady_pace` scaled the device's costs of recomputation by.
     recompute_scale = 1.0
     #: What :meth:`profile` measured, so that :meth:`rebuild` can model it again.
     measured: _Measured | None = None
@@ -289,10 +289,10 @@ class HostAndDevice(Together):
         return offload_layers(self.layers, offloaded=(), recomputed=range(len(self.layers)))
 
     def at_steady_pace(self, profile: Profile) -> Profile:
-        """``profile`` (this one's, with or without parts) with its costs of recomputation
-        scaled to what :meth:`profile` read of steady training (NOTE [Recomputation at the
-        pace of steady training] in ``_clock.py``); unchanged where it did not time
-        recomputation."""
+        """``profile`` (this one's, with or without parts) with the device's costs of
+        recomputation scaled to what :meth:`profile` read of steady training, where the
+        device bounds them (NOTE [Recomputation at the pace of steady training] in
+        ``_clock.py``); unchanged where it did not time recomputation."""
         if self.recompute_ratio is None:
             return profile
         self.recompute_scale = recompute_scale(profile, self.recompute_ratio)

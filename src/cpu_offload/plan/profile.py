@@ -14,8 +14,9 @@ Times are measured one of two ways (:mod:`._timing`):
   enqueued the layer), for kept layers, for every layer recomputed, and for half the
   layers offloaded: what recomputing and offloading add on each side. The device's
   times are scaled to its pace in plain steps back to back, which a GPU at its power
-  limit runs slower than steps after a pause, and the costs of recomputation to what
-  plain steps with every layer recomputed take back to back (:mod:`._clock`).
+  limit runs slower than steps after a pause, and, where the device bounds the
+  recomputation, its cost to what plain steps with every layer recomputed take back to
+  back (:mod:`._clock`).
 * *Together* (the CPU stand-in, or ``host=False``): one time per layer, scaled to a step
   run without hooks; recomputation's cost from a step with every layer recomputed,
   shared out by forward time; offloading adds no compute time.
