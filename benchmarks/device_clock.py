@@ -157,6 +157,9 @@ class _PassHold(probe_module.Probe):
 
 
 def holds(model: torch.nn.Module, step: Step, clock: Clock, steps: int = 7) -> None:
+    """Print the layers' device times held back before each layer, once before each
+    pass and not at all (after 1 s of steps), with every layer kept and recomputed, and
+    plain steps of both after 1 s of steps."""
     layers = find_layers(model)
     n = len(layers)
     for _ in range(3):

@@ -17,7 +17,6 @@ import cpu_offload.plan._clock as clock_module
 import cpu_offload.plan._probe as probe_module
 from cpu_offload.plan import Choice, estimate, profile_model
 from cpu_offload.plan._clock import (
-    DEVICE_BOUND_SHARE,
     SCALE_RANGE,
     SteadyPace,
     recompute_scale,
@@ -91,6 +90,27 @@ def test_each_pair_reads_recomputation_back_to_back_beside_the_steady_step(
     assert device.log == pair + pair
 
 
+def test_the_ratio_is_the_median_of_the_pairs(monkeypatch: pytest.MonkeyPatch) -> None:
+    device = _device(monkeypatch, steady_ms=20.0, paused_ms=19.0, recomputed_ms=0.0)
+    again = iter([26.0, 40.0, 27.0])
+    real = device.plain
+
+    def plain(step: Any, clock: Clock, steps: int) -> float:
+        ms = real(step, clock, steps)
+        return next(again) if device.recomputing else ms
+
+    monkeypatch.setattr(clock_module, "plain_step_ms", plain)
+    got = steady_pace(
+        lambda: torch.zeros(()),
+        _cuda_clock(),
+        steps=1,
+        pairs=3,
+        warm_s=0.0,
+        recompute=device.recompute,
+    )
+    assert got.recompute_ratio == pytest.approx(27.0 / 20.0)  # not the last, 1.35
+
+
 def test_the_warm_up_runs_under_the_recomputation_too(monkeypatch: pytest.MonkeyPatch) -> None:
     device = _device(monkeypatch, steady_ms=20.0, paused_ms=19.0, recomputed_ms=26.0)
     steady_pace(
@@ -106,29 +126,22 @@ def test_the_warm_up_runs_under_the_recomputation_too(monkeypatch: pytest.Monkey
     assert device.log[first_again + 1] == "again" and device.log.index("pause") > first_again + 1
 
 
-def test_the_cpu_stand_in_reads_recomputation_once_without_pauses() -> None:
-    model = nn.Linear(8, 8)
-    x = torch.randn(4, 8)
-    calls = {"plain": 0, "again": 0}
-    again = [False]
+def test_the_cpu_stand_in_reads_nothing() -> None:
+    calls: list[int] = []
 
     def step() -> torch.Tensor:
-        calls["again" if again[0] else "plain"] += 1
-        return model(x).sum()
+        calls.append(1)
+        return torch.zeros((), requires_grad=True).sum()
 
     @contextlib.contextmanager
     def recompute() -> Iterator[None]:
-        again[0] = True
-        try:
-            yield
-        finally:
-            again[0] = False
+        calls.append(2)
+        yield
 
     clock = Clock(False, events=False)
-    assert steady_pace(step, clock, steps=3) == SteadyPace() and calls["plain"] == 0
-    got = steady_pace(step, clock, steps=3, pairs=5, recompute=recompute)
-    assert got.factor == 1.0 and got.recompute_ratio is not None and got.recompute_ratio > 0
-    assert calls == {"plain": 3, "again": 3}
+    assert steady_pace(step, clock, steps=3) == SteadyPace()
+    assert steady_pace(step, clock, steps=3, recompute=recompute) == SteadyPace()
+    assert calls == []
 
 
 def _layer(host: HostCost | None = None, **kwargs: Any) -> LayerCost:
@@ -188,18 +201,21 @@ def test_a_step_the_host_bounds_keeps_its_recomputation_as_measured() -> None:
 
 
 def test_the_scale_stays_in_its_range_and_is_one_with_nothing_to_scale() -> None:
-    profile = Profile((_layer(),) * 4, Link(1.0, 1.0))
-    assert recompute_scale(profile, 1.0) == SCALE_RANGE[0]  # recomputation for free
+    profile = Profile((_layer(),) * 4, Link(1.0, 1.0))  # 12 ms kept, 16 ms recomputed
+    assert recompute_scale(profile, 1.01) == SCALE_RANGE[0]
     assert recompute_scale(profile, 5.0) == SCALE_RANGE[1]
-    assert recompute_scale(profile, float("nan")) == 1.0
+    # Recomputing read no slower than keeping (noise), or no reading: as measured.
+    for ratio in (1.0, 0.99, -1.0, 0.0, float("nan"), float("inf")):
+        assert recompute_scale(profile, ratio) == 1.0
+    empty = Profile((LayerCost(0.0, 0.0, 0, 0, 0, recompute_ms=1.0),) * 2, Link(1.0, 1.0))
+    assert recompute_scale(empty, 1.5) == 1.0  # a kept step of no time
     free = Profile((replace(_layer(), recompute_ms=0.0),) * 4, Link(1.0, 1.0))
     assert recompute_scale(free, 1.3) == 1.0
 
 
-def test_a_cpu_profile_of_host_and_device_models_its_measured_ratio() -> None:
-    # The CPU stand-in's host=True profile reads the ratio from real steps; its model of
-    # recomputing every layer then runs that ratio of its model of keeping them (unless
-    # the scale met its range).
+def test_a_cpu_profile_of_host_and_device_keeps_its_recomputation() -> None:
+    # The CPU stand-in's host=True profile reads no ratio: its recomputation stays as
+    # its rounds measured it.
     import cpu_offload.plan._timing as timing_module
 
     runners: list[Any] = []
@@ -209,37 +225,93 @@ def test_a_cpu_profile_of_host_and_device_models_its_measured_ratio() -> None:
         runners.append(self)
         return real(self, *args)
 
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(3)])
+    x = torch.randn(8, 16)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(timing_module.HostAndDevice, "profile", recorded)
+        profile_model(
+            model, lambda: model(x).sum(), steps=1, host=True, min_tensor_size_to_offload=64
+        )
+    (runner,) = runners
+    assert runner.recompute_ratio is None and runner.recompute_scale == 1.0
+
+
+def _recorded_runner(monkeypatch: pytest.MonkeyPatch, got: SteadyPace) -> list[Any]:
+    import cpu_offload.plan._timing as timing_module
+
+    runners: list[Any] = []
+    real = timing_module.HostAndDevice.profile
+    calls: list[Any] = []
+
+    def recorded(self: Any, *args: Any) -> Any:
+        runners.append(self)
+        return real(self, *args)
+
+    def steady(step: Any, clock: Any, steps: int, recompute: Any = None) -> SteadyPace:
+        calls.append(recompute)
+        return got if recompute is not None else SteadyPace(got.factor)
+
+    monkeypatch.setattr(timing_module.HostAndDevice, "profile", recorded)
+    monkeypatch.setattr(timing_module, "steady_pace", steady)
+    return [runners, calls]
+
+
+def test_a_profile_with_parts_is_scaled_once_after_its_parts_host_costs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import cpu_offload.plan._timing as timing_module
+
+    runners, calls = _recorded_runner(monkeypatch, SteadyPace(1.0, 50.0))  # at the top bound
+    scaled: list[tuple[Profile, Profile]] = []
+    real_scaled = timing_module.recompute_scaled
+    real_part_host = timing_module.HostAndDevice.part_host
+    order: list[str] = []
+
+    def recording_scaled(profile: Profile, scale: float) -> Profile:
+        order.append("scaled")
+        out = real_scaled(profile, scale)
+        scaled.append((profile, out))
+        return out
+
+    def recording_part_host(self: Any, profile: Profile, pace: Any = None) -> Profile:
+        order.append("part_host")
+        return real_part_host(self, profile, pace)
+
+    monkeypatch.setattr(timing_module, "recompute_scaled", recording_scaled)
+    monkeypatch.setattr(timing_module.HostAndDevice, "part_host", recording_part_host)
     torch.manual_seed(0)
     model = nn.Sequential(
         *[nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(3)]
     )
     x = torch.randn(256, 64)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(timing_module.HostAndDevice, "profile", recorded)
-        profile = profile_model(
-            model, lambda: model(x).sum(), steps=2, host=True, min_tensor_size_to_offload=64
-        )
+    profile = profile_model(
+        model, lambda: model(x).sum(), steps=1, host=True, parts=True, min_tensor_size_to_offload=64
+    )
     (runner,) = runners
-    assert runner.recompute_ratio is not None and runner.recompute_ratio > 0
-    keep = estimate(profile, [Choice.KEEP] * 3).step_ms
-    again = estimate(profile, [Choice.RECOMPUTE] * 3).step_ms
+    assert calls and all(c is not None for c in calls)
+    assert order == ["part_host", "scaled"]
+    ((before, after),) = scaled
+    assert after is profile and all(c.parts for c in before.layers)
     scale = runner.recompute_scale
-    if SCALE_RANGE[0] < scale < SCALE_RANGE[1] and scale != 1.0:
-        assert again / keep == pytest.approx(runner.recompute_ratio, rel=1e-6)
-    elif scale == 1.0:
-        # Left as measured: the device's recomputation moves the model's step by less
-        # than DEVICE_BOUND_SHARE of it (the CPU stand-in's host is its device too).
-        unscaled = recompute_scaled(profile, 1.0)
-        moved = [
-            estimate(recompute_scaled(unscaled, s), [Choice.RECOMPUTE] * 3).step_ms
-            for s in SCALE_RANGE
-        ]
-        # The stand-in's recomputation can read as 0 (its backward minus the kept one's).
-        device_ms = sum(c.rerun_ms for c in profile.layers)
-        span = (SCALE_RANGE[1] - SCALE_RANGE[0]) * device_ms
-        share = (moved[1] - moved[0]) / span if span > 0 else 0.0
-        assert share < DEVICE_BOUND_SHARE or again / keep == pytest.approx(
-            runner.recompute_ratio, rel=1e-6
-        )
-    else:
-        assert scale in SCALE_RANGE
+    for old, new in zip(before.layers, profile.layers, strict=True):
+        assert new.recompute_ms == pytest.approx(old.rerun_ms * scale)
+        for p, q in zip(old.parts, new.parts, strict=True):
+            assert q.forward_ms == pytest.approx(p.forward_ms * scale)
+        assert new.host == old.host  # the host's costs stay as the rounds measured them
+
+
+def test_a_profile_without_recomputation_reads_no_ratio(monkeypatch: pytest.MonkeyPatch) -> None:
+    runners, calls = _recorded_runner(monkeypatch, SteadyPace(1.0, 1.5))
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(3)])
+    x = torch.randn(8, 16)
+    profile_model(
+        model,
+        lambda: model(x).sum(),
+        steps=1,
+        host=True,
+        recompute=False,
+        min_tensor_size_to_offload=64,
+    )
+    (runner,) = runners
+    assert calls == [None]
+    assert runner.recompute_ratio is None and runner.recompute_scale == 1.0

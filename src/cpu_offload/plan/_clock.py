@@ -101,15 +101,16 @@ def steady_pace(
         step: Runs the forward and returns the loss (its backward is run here).
         clock: The profile's clock.
         steps: Steps timed in each reading (the fastest is kept).
-        pairs: Steady readings and readings after a pause, taken in turns (one on the
-            CPU stand-in, where neither the warm-up nor the pause is needed).
+        pairs: Steady readings and readings after a pause, taken in turns.
         warm_s: Seconds of untimed steps back to back before each steady reading.
         pause_s: Seconds the device idles before each reading after a pause.
         recompute: Returns a context manager under which every layer is recomputed.
 
     Returns:
         The medians over ``pairs`` (NOTE [A GPU at its power limit], NOTE
-        [Recomputation at the pace of steady training]).
+        [Recomputation at the pace of steady training]); the factor at least 1.0, the
+        ratio None where no steady step took any time. ``SteadyPace()`` on the CPU
+        stand-in, which reads nothing.
 
     Raises:
         ValueError: If ``steps`` or ``pairs`` is not an int >= 1, or ``warm_s`` or
@@ -120,9 +121,7 @@ def steady_pace(
     check_seconds("warm_s", warm_s)
     check_seconds("pause_s", pause_s)
     if not clock.cuda:
-        if recompute is None:
-            return SteadyPace()
-        pairs, warm_s = 1, 0.0
+        return SteadyPace()  # no clock to read, and no device to bound recomputation
 
     def fastest() -> float:
         run_for(step, clock, warm_s)
@@ -134,16 +133,14 @@ def steady_pace(
         if recompute is not None:
             with recompute():
                 again = fastest()
-            ratios.append(again / steady if steady > 0 else 1.0)
-        if not clock.cuda:
-            continue
+            if steady > 0:
+                ratios.append(again / steady)
         torch.cuda.synchronize()
         time.sleep(pause_s)
         paused = min(plain_step_ms(step, clock, 1) for _ in range(steps))
         factors.append(steady / paused if paused > 0 else 1.0)
     return SteadyPace(
-        max(statistics.median(factors), 1.0) if factors else 1.0,
-        statistics.median(ratios) if ratios else None,
+        max(statistics.median(factors), 1.0), statistics.median(ratios) if ratios else None
     )
 
 
@@ -194,7 +191,9 @@ def recompute_scale(profile: Profile, ratio: float) -> float:
     Returns:
         The factor, within :data:`SCALE_RANGE`; 1.0 where the device's recomputation
         does not bound the model's step (less than :data:`DEVICE_BOUND_SHARE` of it
-        counts there), or ``ratio`` is not a finite number.
+        counts there), where ``ratio`` is not a finite number above 1 (recomputing
+        every layer never runs faster than keeping them: such a reading is noise), or
+        where the model's step keeping every layer takes no time.
 
     Example:
         >>> from cpu_offload.plan.costs import LayerCost
@@ -207,6 +206,8 @@ def recompute_scale(profile: Profile, ratio: float) -> float:
     """
     n = profile.num_layers
     keep = estimate(profile, [Choice.KEEP] * n).step_ms
+    if not (math.isfinite(ratio) and ratio > 1.0 and keep > 0):
+        return 1.0
     target = ratio * keep
 
     def again(scale: float) -> float:
@@ -215,11 +216,7 @@ def recompute_scale(profile: Profile, ratio: float) -> float:
     lo, hi = SCALE_RANGE
     low, high = again(lo), again(hi)
     device_ms = sum(c.rerun_ms for c in profile.layers)
-    if (
-        not math.isfinite(target)
-        or high <= low
-        or high - low < DEVICE_BOUND_SHARE * (hi - lo) * device_ms
-    ):
+    if high <= low or high - low < DEVICE_BOUND_SHARE * (hi - lo) * device_ms:
         return 1.0
     if target <= low:
         return lo

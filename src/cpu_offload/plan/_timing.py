@@ -292,7 +292,8 @@ class HostAndDevice(Together):
         """``profile`` (this one's, with or without parts) with the device's costs of
         recomputation scaled to what :meth:`profile` read of steady training, where the
         device bounds them (NOTE [Recomputation at the pace of steady training] in
-        ``_clock.py``); unchanged where it did not time recomputation."""
+        ``_clock.py``); unchanged where it did not time recomputation. Sets
+        :attr:`recompute_scale`."""
         if self.recompute_ratio is None:
             return profile
         self.recompute_scale = recompute_scale(profile, self.recompute_ratio)

@@ -210,12 +210,14 @@ def _shared(share: float, whole_ms: float, parts: int, fixed_ms: float) -> float
 def _rerun_share(cost: LayerCost, host: HostCost, rerun_host_ms: float, rerun_ms: float) -> float:
     """The share of the layer's forward that its recomputed parts run again: on the
     host's clock, or on the device's where the parts' host times are not known (0, as
-    for parts never timed with gradients on)."""
+    for parts never timed with gradients on), against the whole layer's recomputation,
+    which the profile scales with the parts' (``plan/_clock.py``, NOTE [Recomputation
+    at the pace of steady training])."""
     whole_ms = host.own_forward_ms or host.forward_ms
     if rerun_host_ms > 0 and whole_ms > 0:
         return min(rerun_host_ms / whole_ms, 1.0)
-    if rerun_ms > 0 and cost.forward_ms > 0:
-        return min(rerun_ms / cost.forward_ms, 1.0)
+    if rerun_ms > 0 and cost.rerun_ms > 0:
+        return min(rerun_ms / cost.rerun_ms, 1.0)
     return 0.0
 
 
