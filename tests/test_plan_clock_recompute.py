@@ -71,18 +71,23 @@ def _cuda_clock() -> Clock:
     return clock
 
 
+def _read(device: _Device, steps: int, pairs: int) -> SteadyPace:
+    """``steady_pace`` of the stand-in ``device``, with no warm-up steps."""
+    return steady_pace(
+        lambda: torch.zeros(()),
+        _cuda_clock(),
+        steps=steps,
+        pairs=pairs,
+        warm_s=0.0,
+        recompute=device.recompute,
+    )
+
+
 def test_each_pair_reads_recomputation_back_to_back_beside_the_steady_step(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     device = _device(monkeypatch, steady_ms=20.0, paused_ms=19.0, recomputed_ms=26.0)
-    got = steady_pace(
-        lambda: torch.zeros(()),
-        _cuda_clock(),
-        steps=2,
-        pairs=2,
-        warm_s=0.0,
-        recompute=device.recompute,
-    )
+    got = _read(device, steps=2, pairs=2)
     assert got == SteadyPace(pytest.approx(20.0 / 19.0), pytest.approx(26.0 / 20.0))
     # Each pair: the steady reading, the reading with every layer recomputed, a pause,
     # the reading after it (no warm-up steps: warm_s is 0).
@@ -100,14 +105,7 @@ def test_the_ratio_is_the_median_of_the_pairs(monkeypatch: pytest.MonkeyPatch) -
         return next(again) if device.recomputing else ms
 
     monkeypatch.setattr(clock_module, "plain_step_ms", plain)
-    got = steady_pace(
-        lambda: torch.zeros(()),
-        _cuda_clock(),
-        steps=1,
-        pairs=3,
-        warm_s=0.0,
-        recompute=device.recompute,
-    )
+    got = _read(device, steps=1, pairs=3)
     assert got.recompute_ratio == pytest.approx(27.0 / 20.0)  # not the last, 1.35
 
 

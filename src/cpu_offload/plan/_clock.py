@@ -123,21 +123,21 @@ def steady_pace(
     if not clock.cuda:
         return SteadyPace()  # no clock to read, and no device to bound recomputation
 
-    def fastest() -> float:
-        run_for(step, clock, warm_s)
+    def fastest(warm: float) -> float:
+        run_for(step, clock, warm)
         return min(plain_step_ms(step, clock, 1) for _ in range(steps))
 
     factors, ratios = [], []
     for _ in range(pairs):
-        steady = fastest()
+        steady = fastest(warm_s)
         if recompute is not None:
             with recompute():
-                again = fastest()
+                again = fastest(warm_s)
             if steady > 0:
                 ratios.append(again / steady)
         torch.cuda.synchronize()
         time.sleep(pause_s)
-        paused = min(plain_step_ms(step, clock, 1) for _ in range(steps))
+        paused = fastest(0.0)
         factors.append(steady / paused if paused > 0 else 1.0)
     return SteadyPace(
         max(statistics.median(factors), 1.0), statistics.median(ratios) if ratios else None
@@ -168,14 +168,8 @@ def recompute_scaled(profile: Profile, scale: float) -> Profile:
     """
     if scale == 1.0:
         return profile
-    layers = tuple(
-        replace(
-            c,
-            recompute_ms=c.rerun_ms * scale,
-            parts=tuple(replace(p, forward_ms=p.forward_ms * scale) for p in c.parts),
-        )
-        for c in profile.layers
-    )
+    profile = parts_at_pace(profile, scale)
+    layers = tuple(replace(c, recompute_ms=c.rerun_ms * scale) for c in profile.layers)
     return replace(profile, layers=layers)
 
 
