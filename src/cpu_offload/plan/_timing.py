@@ -75,6 +75,12 @@ class Together:
             timed_step(self.layers, self.step, clock)
             return [timed_step(self.layers, self.step, clock)[1] for _ in range(runs)]
 
+    def _recompute_all(self) -> Any:
+        """The context under which every layer is recomputed."""
+        from ..layers import offload_layers
+
+        return offload_layers(self.layers, offloaded=(), recomputed=range(len(self.layers)))
+
     def profile(self, base: Profile, costs: list[LayerCost], recompute: bool) -> Profile:
         n = len(self.layers)
         fwd, bwd, other_ms = scaled_times(
@@ -85,9 +91,7 @@ class Together:
         )
         rerun: list[float | None] = [None] * n
         if recompute:
-            from ..layers import offload_layers
-
-            with offload_layers(self.layers, offloaded=(), recomputed=range(n)):
+            with self._recompute_all():
                 plain_step_ms(self.step, self.clock, 1)
                 recompute_all_ms = plain_step_ms(self.step, self.clock, self.steps)
             # Recomputation's cost measured as a whole (its per-layer share is too small
@@ -282,11 +286,6 @@ class HostAndDevice(Together):
         # phase of the host would pass on to every estimate.
         kept = estimate(modelled, [Choice.KEEP] * n).step_ms
         return replace(modelled, other_ms=max(got.plain_ms - kept, 0.0))
-
-    def _recompute_all(self) -> Any:
-        from ..layers import offload_layers
-
-        return offload_layers(self.layers, offloaded=(), recomputed=range(len(self.layers)))
 
     def at_steady_pace(self, profile: Profile) -> Profile:
         """``profile`` (this one's, with or without parts) with the device's costs of
