@@ -233,6 +233,8 @@ def _timed(  # type: ignore[no-untyped-def]
     calm_host = (
         runner.at_steady_pace(runner.rebuild("calm")) if runner is not None and not parts else None
     )
+    # at_steady_pace solved the calm profile's own scale: recorded beside the main one.
+    calm_scale = None if calm_host is None or runner is None else runner.recompute_scale
     wanted = None if ks is None else {f"k={k}" for k in ks}
     methods = {
         m: c
@@ -353,6 +355,7 @@ def _timed(  # type: ignore[no-untyped-def]
         "pace_factor": None if pace is None else pace[0],
         # What the costs of recomputation were scaled by to steady training's (ditto).
         "recompute_scale": None if pace is None else pace[1],
+        "recompute_scale_calm_host": calm_scale,
         # The whole profile, so that a change to the model can be checked against these
         # measurements without the GPU.
         "profile": dataclasses.asdict(profile),
