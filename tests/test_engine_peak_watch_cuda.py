@@ -9,6 +9,7 @@ Run with deterministic kernels:
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -80,18 +81,25 @@ def _blocks_as_requested() -> Iterator[None]:
     """Run with expandable segments, where the allocator splits every block down to the
     request (rounded to 512 bytes).
 
-    By default it hands out a cached block whole when less than 1 MiB would be left, so
+    By default it hands out a cached block whole when at most 1 MiB would be left, so
     each live tensor's block can be up to 1 MiB over its request, by where earlier steps
     left free blocks. Two runs whose allocations differ then differ by some MiB of
     rounding that says nothing of the bytes they hold.
     """
+    # Set by the environment already (and then left as it is), or set here and undone.
+    conf = ",".join(
+        os.environ.get(v, "") for v in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+    )
+    ours = "expandable_segments:True" not in conf.replace(" ", "")
     torch.cuda.empty_cache()
-    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    if ours:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
     try:
         yield
     finally:
         torch.cuda.empty_cache()
-        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+        if ours:
+            torch.cuda.memory._set_allocator_settings("expandable_segments:False")
 
 
 def _assert_no_higher(watched: _Run, blind: _Run, blocks_as_requested: bool) -> None:
