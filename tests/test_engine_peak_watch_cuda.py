@@ -76,6 +76,12 @@ class _Run:
         self.sync = ctx.offload_synchronizer
 
 
+def _set_allocator(settings: str) -> None:
+    # PyTorch 2.11 deprecates torch.cuda.memory._set_allocator_settings for this one.
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    (setter or torch.cuda.memory._set_allocator_settings)(settings)
+
+
 @contextlib.contextmanager
 def _blocks_as_requested() -> Iterator[None]:
     """Run with expandable segments, where the allocator splits every block down to the
@@ -93,13 +99,13 @@ def _blocks_as_requested() -> Iterator[None]:
     ours = "expandable_segments:True" not in conf.replace(" ", "")
     torch.cuda.empty_cache()
     if ours:
-        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+        _set_allocator("expandable_segments:True")
     try:
         yield
     finally:
         torch.cuda.empty_cache()
         if ours:
-            torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+            _set_allocator("expandable_segments:False")
 
 
 def _assert_no_higher(watched: _Run, blind: _Run, blocks_as_requested: bool) -> None:
