@@ -160,7 +160,9 @@ def test_model_peak_never_raised_and_exact(dtype, blocks_as_requested, determini
 
 
 def test_everything_stays_when_the_peak_falls_after_the_windows(deterministic):
-    watched, blind = _watched_beside_blind(torch.bfloat16, _peak_after_windows, True)
+    watched, blind = _watched_beside_blind(
+        torch.bfloat16, _peak_after_windows, blocks_as_requested=True
+    )
     sync = watched.sync
     states = [sync.layers[i] for i in range(K)]
     bases = sum(state.view_base_bytes for state in states)
