@@ -5,7 +5,8 @@ what a layer costs the host around its forward and backward is timed: entering a
 leaving the context, ``sync_function``, the backward pre-hook that starts the layer's
 backward, and the end-of-backward callback. Beside it, on the same tensors:
 
-* ``floor``: the same layers inside plain saved-tensor hooks (what any hooks cost);
+* ``floor``: the same layers inside ``host_overhead.py``'s floor, hooks that only detach
+  (what any hooks cost);
 * ``floor + prehooks``: the floor with a Python pre-hook that does nothing registered on
   each layer's output node, as ``sync_function`` registers V2's: the price of running
   Python from the backward, which on CUDA runs on autograd's device thread.
@@ -28,11 +29,11 @@ import warnings
 from collections.abc import Callable
 
 import torch
+from host_overhead import NEVER, _kept, _same
 
 from cpu_offload import CudaTransport, HostTransport, v2
 
 LAYERS = 8
-NEVER = 1 << 62  # a size threshold no tensor reaches
 
 
 def _nothing(grad: object) -> None:
@@ -46,7 +47,7 @@ def cases(device: str) -> dict[str, Callable[[], object]]:
         True, 2, LAYERS, transport=transport, min_tensor_size_to_offload=NEVER
     )
     w = torch.ones(4, requires_grad=True, device=device)
-    hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+    hooks = torch.autograd.graph.saved_tensors_hooks(_kept, _same)  # host_overhead's floor
 
     def v2_forward() -> torch.Tensor:
         x = w * 1
