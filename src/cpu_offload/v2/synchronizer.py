@@ -16,7 +16,11 @@ import torch
 
 from .. import _log
 from .._args import check_bool, check_int
-from .._compat import capture_buffer_policy, queue_backward_callback
+from .._compat import (
+    capture_buffer_policy,
+    pinned_alloc_in_capture_supported,
+    queue_backward_callback,
+)
 from .._warn import warn_at_caller
 from ..engine.layer_state import LayerPhase, OffloadableLayerState
 from ..engine.selection import ActivationPolicy
@@ -122,6 +126,11 @@ class OffloadSynchronizer:
             )
         self.num_layers = num_layers
         self.retain_pinned_cpu_buffers = retain_pinned_cpu_buffers
+        # Whether a capture can be refused at all: from PyTorch 2.11 on it never is, and
+        # the stream query costs each layer's forward a microsecond or two of host time.
+        self._refuses_capture = (
+            not retain_pinned_cpu_buffers and not pinned_alloc_in_capture_supported()
+        )
         self.transport = resolve_transport(transport, offload_stream)
         self.policy = policy if policy is not None else self.transport.accepts
         # See NOTE [Small tensors stay at the door]. Exactly the class: a subclass may
@@ -159,7 +168,7 @@ class OffloadSynchronizer:
             RuntimeError: When a CUDA graph is being captured below PyTorch 2.11 and
                 buffers are not retained (see :func:`cpu_offload._compat.capture_buffer_policy`).
         """
-        if not self.retain_pinned_cpu_buffers:
+        if self._refuses_capture:
             capture_buffer_policy(False, self.transport.capturing())
         if self._forwards == self.num_layers or self._backward_seen:
             self.start_new_iteration()
