@@ -58,6 +58,7 @@ from cpu_offload.plan import (  # noqa: E402
     Choice,
     NoPlanFits,
     PlanOverBudget,
+    Profile,
     apply_plan,
     estimate,
     part_methods,
@@ -228,13 +229,7 @@ def _timed(  # type: ignore[no-untyped-def]
         profile = profile_model(model, step, steps=steps, warmup=warmup, parts=parts)
     # The same rounds with the host's times of the calm rounds only (without parts: their
     # host probes run after the profile's own).
-    runner = runners[0] if runners else None
-    pace = None if runner is None else (runner.pace_factor, runner.recompute_scale)
-    calm_host = (
-        runner.at_steady_pace(runner.rebuild("calm")) if runner is not None and not parts else None
-    )
-    # at_steady_pace solved the calm profile's own scale: recorded beside the main one.
-    calm_scale = None if calm_host is None or runner is None else runner.recompute_scale
+    pace, calm_host, calm_scale = _paces(runners[0] if runners else None, parts)
     wanted = None if ks is None else {f"k={k}" for k in ks}
     methods = {
         m: c
@@ -364,6 +359,23 @@ def _timed(  # type: ignore[no-untyped-def]
         "singles": singles,
         "plans": plans,
     }
+
+
+def _paces(
+    runner: HostAndDevice | None, parts: bool
+) -> tuple[tuple[float, float] | None, Profile | None, float | None]:
+    """The main profile's pace factor and recomputation scale, the profile of the calm
+    rounds (not with parts: their host probes run after the profile's own), and the
+    recomputation scale solved for that one. ``at_steady_pace`` overwrites the runner's
+    scale, so the main one is read first. All None without a runner (the CPU stand-in's
+    one time per layer)."""
+    if runner is None:
+        return None, None, None
+    pace = (runner.pace_factor, runner.recompute_scale)
+    if parts:
+        return pace, None, None
+    calm_host = runner.at_steady_pace(runner.rebuild("calm"))
+    return pace, calm_host, runner.recompute_scale
 
 
 @contextlib.contextmanager

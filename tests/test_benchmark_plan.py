@@ -59,3 +59,27 @@ def test_the_report_shows_the_pace_and_the_warm_up() -> None:
     assert "modelled 22.4 ms, 3.00 GiB; device times scaled by 1.062 to steady pace)" in text
     del result["pace_factor"]  # results written before the factor was recorded
     assert "modelled 22.4 ms, 3.00 GiB)" in plan.markdown([result], "d", 5, 3, 2)
+
+
+class _Runner:
+    """What ``_paces`` reads of a profile's runner: its scale moves when it rebuilds."""
+
+    pace_factor = 1.06
+    recompute_scale = 1.25
+
+    def rebuild(self, pace: str) -> str:
+        assert pace == "calm"
+        return "calm rounds' profile"
+
+    def at_steady_pace(self, profile: str) -> str:
+        self.recompute_scale = 0.75  # solved again, for the calm rounds' profile
+        return f"{profile}, at steady pace"
+
+
+def test_the_calm_profile_s_scale_is_recorded_beside_the_main_one() -> None:
+    plan = _plan_script()
+    pace, calm_host, calm_scale = plan._paces(_Runner(), parts=False)
+    assert pace == (1.06, 1.25)  # read before the calm profile's solve overwrote it
+    assert calm_host == "calm rounds' profile, at steady pace" and calm_scale == 0.75
+    assert plan._paces(_Runner(), parts=True) == ((1.06, 1.25), None, None)
+    assert plan._paces(None, parts=False) == (None, None, None)
