@@ -128,6 +128,7 @@ class OffloadSynchronizer:
         self.retain_pinned_cpu_buffers = retain_pinned_cpu_buffers
         # Whether a capture can be refused at all: from PyTorch 2.11 on it never is, and
         # the stream query costs each layer's forward a microsecond or two of host time.
+        # Fixed here, as the flag and the running PyTorch version are.
         self._refuses_capture = (
             not retain_pinned_cpu_buffers and not pinned_alloc_in_capture_supported()
         )
