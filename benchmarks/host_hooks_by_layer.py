@@ -1,0 +1,126 @@
+"""Which layers' saved-tensor hooks cost the step: all of them, the first two, or others.
+
+A step timed from a synchronized GPU makes the device wait for the host until the host has
+queued a lead, so host time in the first layers' forward lands on the step, and the same
+time further on hides behind the device's work. This script puts ``host_overhead.py``'s
+floor of any hooks (hooks that only detach what they are given) around all the layers of
+``cpu-offload compare``'s default model, around the first two, the middle two or the last
+two, and runs V2 with nothing eligible (k=2, which offloads the first two), in turns
+whose order rotates, three steps a turn. Each figure is the median over the turns of the
+step's ratio to no hooks in the same turn, with its interquartile range.
+
+    python benchmarks/host_hooks_by_layer.py --turns 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+
+import torch
+from _report import paired_ratios, rotated
+from host_overhead import CUDA_SPEC, NEVER, _kept, _quartiles, _same
+
+from cpu_offload import CudaTransport, v2
+from cpu_offload.models import build_layers
+
+STEPS_PER_TURN = 3
+
+
+def variants() -> dict[str, Callable[[], None]]:
+    """One training step (forward, backward, gradients dropped) for each variant."""
+    spec = CUDA_SPEC
+    n = spec.layers
+    layers = build_layers(spec, "cuda")
+    x0 = spec.make_input("cuda")
+    hooks = torch.autograd.graph.saved_tensors_hooks(_kept, _same)
+    ctx, sync = v2.get_cpu_offload_context(
+        True, 2, n, transport=CudaTransport(), min_tensor_size_to_offload=NEVER
+    )
+
+    def backward(x: torch.Tensor) -> None:
+        x.float().sum().backward()
+        for p in layers.parameters():
+            p.grad = None
+
+    def hooked(around: set[int]) -> Callable[[], None]:
+        def step() -> None:
+            x = x0.detach().requires_grad_()
+            for j, layer in enumerate(layers):
+                if j in around:
+                    with hooks:
+                        x = layer(x)
+                else:
+                    x = layer(x)
+            backward(x)
+
+        return step
+
+    def v2_step() -> None:
+        x = x0.detach().requires_grad_()
+        for layer in layers:
+            with ctx:
+                x = layer(x)
+            x = sync(x)
+        backward(x)
+
+    return {
+        "no hooks": hooked(set()),
+        "hooks around all layers": hooked(set(range(n))),
+        "hooks around the first 2": hooked({0, 1}),
+        f"hooks around the middle 2 ({n // 2 - 1}, {n // 2})": hooked({n // 2 - 1, n // 2}),
+        "hooks around the last 2": hooked({n - 2, n - 1}),
+        "v2, nothing eligible (k=2)": v2_step,
+    }
+
+
+def measure(steps: dict[str, Callable[[], None]], turns: int) -> dict[str, list[float]]:
+    """Per variant, the median step (ms) of each turn, from a synchronized GPU."""
+    for step in steps.values():
+        for _ in range(3):
+            step()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for turn in range(turns):
+        for name in rotated(list(steps), turn):
+            ms = []
+            for _ in range(STEPS_PER_TURN):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                steps[name]()
+                torch.cuda.synchronize()
+                ms.append((time.perf_counter() - t0) * 1e3)
+            times[name].append(statistics.median(ms))
+    return times
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--turns", type=int, default=60, help="turns of every variant")
+    args = p.parse_args(argv)
+    if args.turns < 2:
+        p.error(f"--turns must be at least 2 (the interquartile range needs two), got {args.turns}")
+    if not torch.cuda.is_available():
+        p.error("this benchmark needs a GPU: the host is on the step's path only beside one")
+    # Nothing is saved by V2 on purpose: it says once that it offloaded nothing.
+    warnings.filterwarnings("ignore", message="the V2 CPU offload context ran all")
+    times = measure(variants(), args.turns)
+    print(
+        f"torch {torch.__version__}, {torch.cuda.get_device_name()}, {CUDA_SPEC}, "
+        f"{args.turns} turns of {STEPS_PER_TURN} steps"
+    )
+    base = times["no hooks"]
+    for name, ms in times.items():
+        ratios = paired_ratios(ms, base)
+        low, high = _quartiles(ratios)
+        print(
+            f"  {name:32s} fastest step {min(ms):7.2f} ms  paired x "
+            f"{statistics.median(ratios):.4f} [{low:.4f}, {high:.4f}]"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
