@@ -19,9 +19,7 @@ from cpu_offload import (
     mark_activation_offload,
     v2,
 )
-from cpu_offload.engine.selection import ActivationPolicy, is_marked_for_offload
 from cpu_offload.models import MODEL_KINDS, ModelSpec, build_layers
-from cpu_offload.v2.synchronizer import TensorId
 
 N = 4
 MIN = 256
@@ -554,70 +552,6 @@ def test_saved_tensors_read_twice_in_backward():
     assert torch.equal(x.grad, torch.full((32, 32), 2.0))
 
 
-def test_pack_hook_keeps_only_weights_undetached():
-    # NOTE [Kept tensors are detached]: a kept tensor goes back detached (the same
-    # storage, another object), but for a leaf that requires grad (a weight).
-    ctx, _ = _ctx(k=1, n=2, min_tensor_size_to_offload=1 << 40)  # nothing is offloaded
-    sync = ctx.offload_synchronizer
-    sync.fwd_step()
-    w = torch.ones(4, requires_grad=True)
-    made = w * 2
-    plain = torch.ones(4)
-    out = sync.pack_hook(made)
-    assert out is not made and out.grad_fn is None
-    assert out.data_ptr() == made.data_ptr() and out._version == made._version
-    assert sync.pack_hook(w) is w
-    out = sync.pack_hook(plain)  # needs no grad now, but an in-place op may change that
-    assert out is not plain and out.data_ptr() == plain.data_ptr()
-    for t in (made, w, plain):
-        assert sync.pop_tensor(sync.pack_hook(t)).data_ptr() == t.data_ptr()
-
-
-def test_a_tensor_given_a_grad_fn_after_its_save_is_not_kept_alive():
-    # NOTE [Kept tensors are detached]: ``h`` needs no grad when it is saved; the in-place
-    # op then gives it a grad_fn whose graph reaches the node that saved it. A forward
-    # without backward must still leave nothing alive.
-    import gc
-    import weakref
-
-    ctx, sync = _ctx(k=1, n=2, min_tensor_size_to_offload=1 << 40)  # nothing is offloaded
-    w = torch.ones(4, requires_grad=True)
-    with ctx:
-        h = torch.ones(4)
-        z = h * w  # saves h
-        h.add_(z)
-    out = sync(h)
-    alive = weakref.ref(h)
-    del h, z, out
-    ctx.offload_synchronizer.release_all()
-    gc.collect()
-    assert alive() is None
-
-
-def test_small_tensors_stay_at_the_door(monkeypatch, caplog):
-    # NOTE [Small tensors stay at the door]: below the threshold, the pack hook keeps a
-    # tensor without the layer; at it, the layer takes the tensor as before.
-    ctx, _ = _ctx(k=1, n=2)
-    sync = ctx.offload_synchronizer
-    sync.fwd_step()  # layer 0, offloaded
-    layer = sync.layers[0]
-    calls: list[int] = []
-    push = layer.push_tensor
-    monkeypatch.setattr(layer, "push_tensor", lambda t, **kw: calls.append(t.numel()) or push(t))
-    w = torch.ones(MIN, requires_grad=True)
-    small, big = w[: MIN - 1] * 2, w * 2
-    out = sync.pack_hook(small)
-    assert isinstance(out, torch.Tensor) and out is not small and out.grad_fn is None
-    assert out.data_ptr() == small.data_ptr() and calls == [] and not layer.has_tensors
-    assert isinstance(sync.pack_hook(big), TensorId) and calls == [MIN] and layer.has_tensors
-    # With DEBUG records wanted, the layer sees every tensor and says why it keeps one.
-    with caplog.at_level("DEBUG", logger="cpu_offload"):
-        assert isinstance(sync.pack_hook(small), torch.Tensor)
-    assert calls == [MIN, MIN - 1]
-    assert any("kept" in r.getMessage() and "layer 0" in r.getMessage() for r in caplog.records)
-    sync.release_all()
-
-
 class _StreamCalls(HostTransport):
     """The stand-in, counting the calls that would reach a CUDA stream."""
 
@@ -659,40 +593,3 @@ def test_a_layer_with_nothing_to_move_touches_no_stream(threshold):
         assert moved > 0 and {"offload_all", "reload_all", "current_stream"} <= set(transport.calls)
     else:
         assert moved == 0 and transport.calls == []
-
-
-@pytest.mark.parametrize("policy", [lambda t: True, is_marked_for_offload])
-def test_a_policy_without_a_size_threshold_sees_every_tensor(policy):
-    # Only V2's ActivationPolicy has a size threshold to test at the door.
-    sync = v2.DefaultOffloadSynchronizer(2, 1, transport=HostTransport(), policy=policy)
-    sync.fwd_step()
-    one = torch.ones(1, requires_grad=True) * 2
-    mark_activation_offload(one)
-    assert isinstance(sync.pack_hook(one), TensorId)
-    sync.release_all()
-
-
-def test_a_layer_whose_offload_started_refuses_small_tensors_too():
-    # NOTE [Small tensors stay at the door]: the door stays shut on a layer that no
-    # longer collects, whatever the logging level.
-    transport = HostTransport()
-    policy = ActivationPolicy(MIN, transport.accepts)  # as get_cpu_offload_context makes it
-    sync = v2.ManualOffloadSynchronizer(1, transport=transport, policy=policy)
-    sync.fwd_step()
-    assert isinstance(sync.pack_hook(torch.ones(1 << 20) * 2), TensorId)
-    sync.start_offload_layer(0)
-    with pytest.raises(RuntimeError, match=r"push_tensor\(\) called on layer 0 in state"):
-        sync.pack_hook(torch.ones(2) * 2)
-    sync.release_all()
-
-
-def test_a_subclass_of_the_default_policy_decides_for_small_tensors():
-    class TakesEverything(ActivationPolicy):
-        def __call__(self, tensor: torch.Tensor) -> bool:
-            return True
-
-    policy = TakesEverything(1 << 20, HostTransport().accepts)
-    sync = v2.DefaultOffloadSynchronizer(2, 1, transport=HostTransport(), policy=policy)
-    sync.fwd_step()
-    assert isinstance(sync.pack_hook(torch.ones(2, requires_grad=True) * 2), TensorId)
-    sync.release_all()
