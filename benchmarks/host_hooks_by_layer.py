@@ -6,8 +6,9 @@ time further on hides behind the device's work. This script puts ``host_overhead
 floor of any hooks (hooks that only detach what they are given) around all the layers of
 ``cpu-offload compare``'s default model, around the first two, the middle two or the last
 two, and runs V2 with nothing eligible (k=2, which offloads the first two), in turns
-whose order rotates, three steps a turn. Each figure is the median over the turns of the
-step's ratio to no hooks in the same turn, with its interquartile range.
+whose order rotates, three steps a turn (a number of turns that is a multiple of the six
+variants runs each in every position equally often). Each figure is the median over the
+turns of the step's ratio to no hooks in the same turn, with its interquartile range.
 
     python benchmarks/host_hooks_by_layer.py --turns 60
 """
@@ -22,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 from _report import paired_ratios, rotated
-from host_overhead import CUDA_SPEC, NEVER, _kept, _quartiles, _same
+from host_overhead import CUDA_SPEC, NEVER, _kept, _same
 
 from cpu_offload import CudaTransport, v2
 from cpu_offload.models import build_layers
@@ -71,8 +72,8 @@ def variants() -> dict[str, Callable[[], None]]:
         "no hooks": hooked(set()),
         "hooks around all layers": hooked(set(range(n))),
         "hooks around the first 2": hooked({0, 1}),
-        f"hooks around the middle 2 ({n // 2 - 1}, {n // 2})": hooked({n // 2 - 1, n // 2}),
         "hooks around the last 2": hooked({n - 2, n - 1}),
+        f"hooks around the middle 2 ({n // 2 - 1}, {n // 2})": hooked({n // 2 - 1, n // 2}),
         "v2, nothing eligible (k=2)": v2_step,
     }
 
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     base = times["no hooks"]
     for name, ms in times.items():
         ratios = paired_ratios(ms, base)
-        low, high = _quartiles(ratios)
+        low, _, high = statistics.quantiles(ratios, n=4)
         print(
             f"  {name:32s} fastest step {min(ms):7.2f} ms  paired x "
             f"{statistics.median(ratios):.4f} [{low:.4f}, {high:.4f}]"
