@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from cpu_offload import HostTransport, v2
 from cpu_offload.cli import main as cli_main
 from cpu_offload.models import run_layers
+
+#: The size threshold, in elements, the V2 tests give the CPU stand-in by default.
+V2_MIN = 256
 
 
 @dataclass
@@ -53,6 +59,16 @@ def step(
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
     return StepResult(loss.detach().clone(), [p.grad.clone() for p in layers.parameters()], peak)
+
+
+def v2_context(k: int = 1, n: int = 4, **kwargs: Any) -> Any:
+    """V2's context and sync function for ``k`` of ``n`` layers on the CPU stand-in, with
+    ``V2_MIN`` as threshold unless given; quiet about ``k == n - 1``."""
+    kwargs.setdefault("transport", HostTransport())
+    kwargs.setdefault("min_tensor_size_to_offload", V2_MIN)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # k == n-1
+        return v2.get_cpu_offload_context(True, k, n, **kwargs)
 
 
 def assert_bit_equal(a: StepResult, b: StepResult) -> None:

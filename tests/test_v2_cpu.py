@@ -9,7 +9,8 @@ import warnings
 
 import pytest
 import torch
-from helpers import assert_bit_equal, step, top_saved_tensor_hooks
+from helpers import V2_MIN, assert_bit_equal, step, top_saved_tensor_hooks
+from helpers import v2_context as _ctx
 
 import cpu_offload
 from cpu_offload import (
@@ -22,7 +23,7 @@ from cpu_offload import (
 from cpu_offload.models import MODEL_KINDS, ModelSpec, build_layers
 
 N = 4
-MIN = 256
+MIN = V2_MIN
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -30,14 +31,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 def _spec(kind: str) -> ModelSpec:
     return ModelSpec(kind=kind, hidden=64, heads=4, seq=64, batch=2, layers=N)
-
-
-def _ctx(k: int = 1, n: int = N, **kwargs):
-    kwargs.setdefault("transport", HostTransport())
-    kwargs.setdefault("min_tensor_size_to_offload", MIN)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # k == n-1
-        return v2.get_cpu_offload_context(True, k, n, **kwargs)
 
 
 def _top_hooks():

@@ -3,27 +3,19 @@
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
+from helpers import V2_MIN
+from helpers import v2_context as _ctx
 
 from cpu_offload import HostTransport, mark_activation_offload, v2
 from cpu_offload.engine.selection import ActivationPolicy, is_marked_for_offload
 from cpu_offload.v2.synchronizer import TensorId
 
 N = 4
-MIN = 256
+MIN = V2_MIN
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def _ctx(k: int = 1, n: int = N, **kwargs):
-    kwargs.setdefault("transport", HostTransport())
-    kwargs.setdefault("min_tensor_size_to_offload", MIN)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # k == n-1
-        return v2.get_cpu_offload_context(True, k, n, **kwargs)
 
 
 class _Capturing(HostTransport):
