@@ -20,6 +20,8 @@ from cpu_offload.models import run_layers
 
 #: The size threshold, in elements, the V2 tests give the CPU stand-in by default.
 V2_MIN = 256
+#: The number of layers of the V2 tests' contexts by default.
+V2_LAYERS = 4
 
 
 @dataclass
@@ -61,7 +63,7 @@ def step(
     return StepResult(loss.detach().clone(), [p.grad.clone() for p in layers.parameters()], peak)
 
 
-def v2_context(k: int = 1, n: int = 4, **kwargs: Any) -> Any:
+def v2_context(k: int = 1, n: int = V2_LAYERS, **kwargs: Any) -> Any:
     """V2's context and sync function for ``k`` of ``n`` layers on the CPU stand-in, with
     ``V2_MIN`` as threshold unless given; quiet about ``k == n - 1``."""
     kwargs.setdefault("transport", HostTransport())

@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import V2_MIN, assert_bit_equal, step, top_saved_tensor_hooks
+from helpers import V2_LAYERS, V2_MIN, assert_bit_equal, step, top_saved_tensor_hooks
 from helpers import v2_context as _ctx
 
 import cpu_offload
@@ -22,7 +22,7 @@ from cpu_offload import (
 )
 from cpu_offload.models import MODEL_KINDS, ModelSpec, build_layers
 
-N = 4
+N = V2_LAYERS
 MIN = V2_MIN
 
 

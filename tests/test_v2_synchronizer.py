@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import V2_MIN
+from helpers import V2_LAYERS, V2_MIN
 from helpers import v2_context as _ctx
 
 from cpu_offload import HostTransport, mark_activation_offload, v2
 from cpu_offload.engine.selection import ActivationPolicy, is_marked_for_offload
 from cpu_offload.v2.synchronizer import TensorId
 
-N = 4
+N = V2_LAYERS
 MIN = V2_MIN
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
