@@ -5,10 +5,12 @@ queued a lead, so host time in the first layers' forward lands on the step, and 
 time further on hides behind the device's work. This script puts ``host_overhead.py``'s
 floor of any hooks (hooks that only detach what they are given) around all the layers of
 ``cpu-offload compare``'s default model, around the first two, the middle two or the last
-two, and runs V2 with nothing eligible (k=2, which offloads the first two), in turns
-whose order rotates, three steps a turn (a number of turns that is a multiple of the six
-variants runs each in every position equally often). Each figure is the median over the
-turns of the step's ratio to no hooks in the same turn, with its interquartile range.
+two, and runs V2 with nothing eligible (k=2, which offloads the first two) and V2 with no
+layer offloaded (k=0: the context and sync function around every layer, with no
+saved-tensor hooks at all), in turns whose order rotates, three steps a turn (a number of
+turns that is a multiple of the seven variants runs each in every position equally
+often). Each figure is the median over the turns of the step's ratio to no hooks in the
+same turn, with its interquartile range.
 
     python benchmarks/host_hooks_by_layer.py --turns 60
 """
@@ -41,6 +43,8 @@ def variants() -> dict[str, Callable[[], None]]:
     ctx, sync = v2.get_cpu_offload_context(
         True, 2, n, transport=CudaTransport(), min_tensor_size_to_offload=NEVER
     )
+    # No layer offloaded: V2's per-layer protocol alone, without saved-tensor hooks.
+    bare_ctx, bare_sync = v2.get_cpu_offload_context(True, 0, n, transport=CudaTransport())
 
     def backward(x: torch.Tensor) -> None:
         x.float().sum().backward()
@@ -60,13 +64,18 @@ def variants() -> dict[str, Callable[[], None]]:
 
         return step
 
-    def v2_step() -> None:
-        x = x0.detach().requires_grad_()
-        for layer in layers:
-            with ctx:
-                x = layer(x)
-            x = sync(x)
-        backward(x)
+    def v2_steps(
+        context: object, sync_function: Callable[[torch.Tensor], torch.Tensor]
+    ) -> Callable[[], None]:
+        def step() -> None:
+            x = x0.detach().requires_grad_()
+            for layer in layers:
+                with context:  # type: ignore[attr-defined]
+                    x = layer(x)
+                x = sync_function(x)
+            backward(x)
+
+        return step
 
     return {
         "no hooks": hooked(set()),
@@ -74,7 +83,8 @@ def variants() -> dict[str, Callable[[], None]]:
         "hooks around the first 2": hooked({0, 1}),
         "hooks around the last 2": hooked({n - 2, n - 1}),
         f"hooks around the middle 2 ({n // 2 - 1}, {n // 2})": hooked({n // 2 - 1, n // 2}),
-        "v2, nothing eligible (k=2)": v2_step,
+        "v2, nothing eligible (k=2)": v2_steps(ctx, sync),
+        "v2, no layer offloaded (k=0)": v2_steps(bare_ctx, bare_sync),
     }
 
 
