@@ -9,10 +9,13 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
+
+from cpu_offload.plan._probe import host_probe_ms
+from cpu_offload.plan._rounds import calm, calm_reference
 
 _T = TypeVar("_T")
 
@@ -123,6 +126,29 @@ def rotated(items: Sequence[_T], turn: int) -> list[_T]:
     """
     shift = turn % len(items)
     return [*items[shift:], *items[:shift]]
+
+
+def probed(fn: Callable[..., None], *args: Any) -> float:
+    """Run ``fn(*args)``; the slower of the host probes just before and just after it (ms).
+
+    The probe is a fixed piece of host-only work (``cpu_offload.plan._probe.host_probe_ms``)
+    that a slow phase of the host stretches as it stretches the host's part of a step
+    (NOTE [The host's pace] in ``cpu_offload/plan/_rounds.py``).
+    """
+    before = host_probe_ms()
+    fn(*args)
+    return max(before, host_probe_ms())
+
+
+def calm_turns(probe_ms: Sequence[float]) -> list[bool]:
+    """Per turn, whether its probe read the host calm: within ``HOST_NOISE`` of the lower
+    quartile of every turn's probe, as the planner's rounds judge it.
+
+    Example:
+        >>> calm_turns([6.0, 6.2, 12.0, 6.1, 6.5])
+        [True, True, False, True, True]
+    """
+    return calm(probe_ms, calm_reference(probe_ms))
 
 
 def paired_ratios(times: Sequence[float], base: Sequence[float]) -> list[float]:

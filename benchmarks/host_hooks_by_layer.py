@@ -10,7 +10,8 @@ layer offloaded (k=0: the context and sync function around every layer, with no
 saved-tensor hooks at all), in turns whose order rotates, three steps a turn (a number of
 turns that is a multiple of the seven variants runs each in every position equally
 often). Each figure is the median over the turns of the step's ratio to no hooks in the
-same turn, with its interquartile range.
+same turn, with its interquartile range: over every turn, and over the turns whose host
+probe read calm (``_report.calm_turns``), which leaves out the host's slow phases.
 
     python benchmarks/host_hooks_by_layer.py --turns 60
 """
@@ -24,7 +25,7 @@ import warnings
 from collections.abc import Callable
 
 import torch
-from _report import paired_ratios, rotated
+from _report import calm_turns, paired_ratios, probed, rotated
 from host_overhead import CUDA_SPEC, NEVER, _kept, _same
 
 from cpu_offload import CudaTransport, v2
@@ -88,13 +89,17 @@ def variants() -> dict[str, Callable[[], None]]:
     }
 
 
-def measure(steps: dict[str, Callable[[], None]], turns: int) -> dict[str, list[float]]:
-    """Per variant, the median step (ms) of each turn, from a synchronized GPU."""
+def measure(
+    steps: dict[str, Callable[[], None]], turns: int
+) -> tuple[dict[str, list[float]], list[float]]:
+    """Per variant, the median step (ms) of each turn, from a synchronized GPU; and each
+    turn's host probe (``_report.probed``)."""
     for step in steps.values():
         for _ in range(3):
             step()
     times: dict[str, list[float]] = {name: [] for name in steps}
-    for turn in range(turns):
+
+    def turn_of(turn: int) -> None:
         for name in rotated(list(steps), turn):
             ms = []
             for _ in range(STEPS_PER_TURN):
@@ -104,7 +109,16 @@ def measure(steps: dict[str, Callable[[], None]], turns: int) -> dict[str, list[
                 torch.cuda.synchronize()
                 ms.append((time.perf_counter() - t0) * 1e3)
             times[name].append(statistics.median(ms))
-    return times
+
+    probes = [probed(turn_of, turn) for turn in range(turns)]
+    return times, probes
+
+
+def _summary(ratios: list[float]) -> str:
+    if len(ratios) < 2:
+        return f"{ratios[0]:.4f}" if ratios else "-"
+    low, _, high = statistics.quantiles(ratios, n=4)
+    return f"{statistics.median(ratios):.4f} [{low:.4f}, {high:.4f}]"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,19 +131,19 @@ def main(argv: list[str] | None = None) -> int:
         p.error("this benchmark needs a GPU: the host is on the step's path only beside one")
     # Nothing is saved by V2 on purpose: it says once that it offloaded nothing.
     warnings.filterwarnings("ignore", message="the V2 CPU offload context ran all")
-    times = measure(variants(), args.turns)
+    times, probes = measure(variants(), args.turns)
+    calm = calm_turns(probes)
     print(
         f"torch {torch.__version__}, {torch.cuda.get_device_name()}, {CUDA_SPEC}, "
-        f"{args.turns} turns of {STEPS_PER_TURN} steps"
+        f"{args.turns} turns of {STEPS_PER_TURN} steps; host probe {min(probes):.1f} to "
+        f"{max(probes):.1f} ms, calm in {sum(calm)} turns"
     )
     base = times["no hooks"]
+    print(f"  {'':32s} {'fastest step':>15s}  paired x, every turn  {'calm turns':>24s}")
     for name, ms in times.items():
         ratios = paired_ratios(ms, base)
-        low, _, high = statistics.quantiles(ratios, n=4)
-        print(
-            f"  {name:32s} fastest step {min(ms):7.2f} ms  paired x "
-            f"{statistics.median(ratios):.4f} [{low:.4f}, {high:.4f}]"
-        )
+        quiet = [r for r, ok in zip(ratios, calm, strict=True) if ok]
+        print(f"  {name:32s} {min(ms):12.2f} ms  {_summary(ratios)}  {_summary(quiet)}")
     return 0
 
 
