@@ -25,8 +25,9 @@ import warnings
 from collections.abc import Callable
 
 import torch
+from _host_floors import kept, same
 from _report import calm_turns, paired_ratios, probed, rotated
-from host_overhead import CUDA_SPEC, NEVER, _kept, _same
+from host_overhead import CUDA_SPEC, NEVER
 
 from cpu_offload import CudaTransport, v2
 from cpu_offload.models import build_layers
@@ -40,7 +41,7 @@ def variants() -> dict[str, Callable[[], None]]:
     n = spec.layers
     layers = build_layers(spec, "cuda")
     x0 = spec.make_input("cuda")
-    hooks = torch.autograd.graph.saved_tensors_hooks(_kept, _same)
+    hooks = torch.autograd.graph.saved_tensors_hooks(kept, same)
     ctx, sync = v2.get_cpu_offload_context(
         True, 2, n, transport=CudaTransport(), min_tensor_size_to_offload=NEVER
     )

@@ -17,7 +17,7 @@ step: this benchmark measures that price, on the GPU or on the CPU stand-in.
   (with ``--duplex`` also the duplex schedule); beside them the floor of any saved-tensor
   hooks: hooks that only detach what they are given (as V2's do with a tensor they keep,
   NOTE [Kept tensors are detached]), entered around each layer; and on CUDA the floor of
-  bare copies of as many bytes at the same points (:class:`BareCopies`). Every step starts
+  bare copies of as many bytes at the same points (``_host_floors.BareCopies``). Every step starts
   a new running peak, as if each variant ran alone. For each variant:
   the host time to enqueue one step (no synchronization; on the CPU this is the whole
   step, timed as the thread's CPU time so that other work on the machine disturbs it
@@ -49,6 +49,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from _host_floors import BareCopies, SavedCounter, kept, same
 from _report import calm_turns, paired_ratios, probed, rotated
 
 from cpu_offload import CudaTransport, HostTransport, Transport, v2
@@ -169,7 +170,7 @@ def pack_hook_cost(device: str, repeat: int = 20000) -> dict:
             runs.append(time.perf_counter() - t0)
         return min(runs) / repeat * 1e6
 
-    out = {"v2_us": best(installed), "floor_us": best(_kept)}
+    out = {"v2_us": best(installed), "floor_us": best(kept)}
     sync.release_all()
     return out
 
@@ -187,97 +188,6 @@ class Variant:
     saved: int = 0
     ctx: object = None
     sync: object = None
-
-
-def _kept(t: torch.Tensor) -> torch.Tensor:
-    return t if t.requires_grad and t.is_leaf else t.detach()
-
-
-def _same(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
-class _Counter:
-    """Counts the tensors saved for backward during one step (outer hooks)."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        self.count += 1
-        return t
-
-
-class BareCopies:
-    """V2's copies and nothing else: the same bytes at the same points, whole layers at once.
-
-    Hooks that only detach, as the hooks floor's, plus copies of as many bytes as V2
-    moves for each of the first ``k`` layers (``nbytes``, read off V2's layers once its
-    choice of what to keep has settled), at its default schedule's points: out to a
-    pinned host buffer when the layer's forward ends, the compute stream waiting for it
-    before the forward of layer ``n-k+i``; back into a device buffer on a second stream
-    when the backward of layer ``n-k+i-1`` begins, the compute stream waiting for it
-    before layer ``i``'s own backward. One copy per layer each way, from buffers
-    allocated once, and nothing released or rebuilt: what is left is the link's time,
-    the copies' weight on the host and on the device's memory, and two copy calls per
-    layer. It is a reference, not a strict lower bound: V2 starts each tensor's copy
-    after that tensor's own save and waits for each reloaded tensor where backward
-    reads it, while these copies wait for whole layers. With ``wait=False`` the compute
-    stream never waits for a copy: the copies' weight alone, without the schedule's
-    stalls.
-
-    Raises:
-        ValueError: If ``nbytes`` does not name between 1 and ``n - 1`` layers.
-    """
-
-    def __init__(self, n: int, nbytes: list[int], wait: bool = True) -> None:
-        if not 0 < len(nbytes) < n:
-            raise ValueError(f"nbytes: one entry per offloaded layer, 1 to {n - 1}, got {nbytes}")
-        self.n, self.k, self.wait = n, len(nbytes), wait
-        self.out_stream, self.in_stream = torch.cuda.Stream(), torch.cuda.Stream()
-        self.layer = -1
-
-        def buffers(**kw: object) -> list[torch.Tensor]:
-            return [torch.empty(b, dtype=torch.uint8, **kw) for b in nbytes]  # type: ignore[arg-type]
-
-        self.src, self.back = buffers(device="cuda"), buffers(device="cuda")
-        self.host = buffers(pin_memory=True)
-        self.out_done: list[torch.cuda.Event | None] = [None] * self.k
-        self.in_done: list[torch.cuda.Event | None] = [None] * self.k
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(_kept, _same)
-
-    def __enter__(self) -> None:
-        self.layer = (self.layer + 1) % self.n
-        self.hooks.__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        self.hooks.__exit__(*exc)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """Ends the current layer's forward (the variant's ``sync``)."""
-        layer, n, k = self.layer, self.n, self.k
-        if layer < k:
-            self.out_stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self.out_stream):
-                self.host[layer].copy_(self.src[layer], non_blocking=True)
-            self.out_done[layer] = self.out_stream.record_event()
-        if self.wait and n - k - 1 <= layer < n - 1:  # the forward of layer n-k+i comes next
-            torch.cuda.current_stream().wait_event(self.out_done[layer - (n - k - 1)])
-        if not x.requires_grad:
-            raise ValueError("BareCopies needs each layer's output to require grad")
-        out = x if x.grad_fn is not None else x.view_as(x)
-        out.grad_fn.register_prehook(lambda grads: self._backward_starts(layer))
-        return out
-
-    def _backward_starts(self, layer: int) -> None:
-        i = layer - (self.n - self.k - 1)  # the layer whose copy back starts here
-        if 0 <= i < self.k:
-            self.in_stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self.in_stream):
-                self.back[i].copy_(self.host[i], non_blocking=True)
-            self.in_done[i] = self.in_stream.record_event()
-        if self.wait and layer < self.k:
-            torch.cuda.current_stream().wait_event(self.in_done[layer])
 
 
 def run_model(
@@ -298,8 +208,8 @@ def run_model(
         Variant(
             "hooks floor",
             None,
-            ctx=torch.autograd.graph.saved_tensors_hooks(_kept, _same),
-            sync=_same,
+            ctx=torch.autograd.graph.saved_tensors_hooks(kept, same),
+            sync=same,
         ),
         Variant("v2 nothing eligible", {"num_layers": k, "min_tensor_size_to_offload": NEVER}),
         Variant(f"v2 k={k}", {"num_layers": k, **small}),
@@ -345,7 +255,7 @@ def run_model(
             v.ctx = v.sync = BareCopies(spec.layers, moved, wait=wait)
             warm_up(v)
         variants[2:2] = copies
-    counter = _Counter()  # the tensors the model saves per step (offloading or not)
+    counter = SavedCounter()  # the tensors the model saves per step (offloading or not)
     with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
         one_step(variants[0])
     for v in variants:

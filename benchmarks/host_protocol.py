@@ -29,7 +29,8 @@ import warnings
 from collections.abc import Callable
 
 import torch
-from host_overhead import NEVER, _kept, _same
+from _host_floors import kept, same
+from host_overhead import NEVER
 
 from cpu_offload import CudaTransport, HostTransport, v2
 
@@ -47,7 +48,7 @@ def cases(device: str) -> dict[str, Callable[[], object]]:
         True, 2, LAYERS, transport=transport, min_tensor_size_to_offload=NEVER
     )
     w = torch.ones(4, requires_grad=True, device=device)
-    hooks = torch.autograd.graph.saved_tensors_hooks(_kept, _same)  # host_overhead's floor
+    hooks = torch.autograd.graph.saved_tensors_hooks(kept, same)  # host_overhead's floor
 
     def v2_forward() -> torch.Tensor:
         x = w * 1
