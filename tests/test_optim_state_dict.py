@@ -30,6 +30,26 @@ def _roundtrip(obj: Any) -> Any:
     return torch.load(buf, weights_only=False)
 
 
+def _resumed_as_plain(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    plain_cls: type[torch.optim.Optimizer],
+    kwargs: dict[str, Any],
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """Train ``model`` with ``opt`` for two steps, checkpoint both, and train two more; a
+    fresh model with a plain ``plain_cls`` optimizer resumes from the checkpoint and trains
+    the same two steps. Returns the resumed model and its optimizer."""
+    _train(model, opt, 2)
+    checkpoint = _roundtrip({"model": model.state_dict(), "opt": opt.state_dict()})
+    _train(model, opt, 2, seed=2)
+    resumed = _model(seed=9)
+    resumed.load_state_dict(checkpoint["model"])
+    plain = plain_cls(resumed.parameters(), **kwargs)
+    plain.load_state_dict(checkpoint["opt"])
+    _train(resumed, plain, 2, seed=2)
+    return resumed, plain
+
+
 def test_state_dict_is_keyed_like_a_plain_optimizers() -> None:
     model, ref = _model(), _model()
     opt = _CpuAsDevice(_groups(model, True), offload_fraction=0.5, **ADAMW)
@@ -76,14 +96,7 @@ def test_checkpoint_interchange_with_plain_adamw(fraction: float) -> None:
     # HDO -> plain AdamW
     model = _model()
     opt = _CpuAsDevice(model.parameters(), offload_fraction=fraction, **ADAMW)
-    _train(model, opt, 2)
-    checkpoint = _roundtrip({"model": model.state_dict(), "opt": opt.state_dict()})
-    _train(model, opt, 2, seed=2)
-    plain_model = _model(seed=9)
-    plain_model.load_state_dict(checkpoint["model"])
-    plain = torch.optim.AdamW(plain_model.parameters(), **ADAMW)
-    plain.load_state_dict(checkpoint["opt"])
-    _train(plain_model, plain, 2, seed=2)
+    plain_model, plain = _resumed_as_plain(model, opt, torch.optim.AdamW, ADAMW)
     assert _same(model, plain_model)
 
     # plain AdamW -> HDO
@@ -143,12 +156,5 @@ def test_checkpoint_sgd_momentum_roundtrip() -> None:
     model = _model()
     kw = {"cpu_optimizer_cls": torch.optim.SGD, "gpu_optimizer_cls": torch.optim.SGD, **SGD}
     opt = _CpuAsDevice(model.parameters(), offload_fraction=0.5, **kw)
-    _train(model, opt, 2)
-    checkpoint = _roundtrip({"model": model.state_dict(), "opt": opt.state_dict()})
-    _train(model, opt, 2, seed=2)
-    resumed = _model(seed=9)
-    resumed.load_state_dict(checkpoint["model"])
-    plain = torch.optim.SGD(resumed.parameters(), **SGD)
-    plain.load_state_dict(checkpoint["opt"])
-    _train(resumed, plain, 2, seed=2)
+    resumed, _ = _resumed_as_plain(model, opt, torch.optim.SGD, SGD)
     assert _same(model, resumed)
