@@ -7,6 +7,7 @@ import contextlib
 import datetime
 import json
 import os
+import statistics
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -15,7 +16,7 @@ from typing import Any, TypeVar
 import torch
 
 from cpu_offload.plan._probe import host_probe_ms
-from cpu_offload.plan._rounds import calm, calm_reference
+from cpu_offload.plan._rounds import HOST_NOISE, calm, calm_reference
 
 _T = TypeVar("_T")
 
@@ -140,15 +141,52 @@ def probed(fn: Callable[..., None], *args: Any) -> float:
     return max(before, host_probe_ms())
 
 
-def calm_turns(probe_ms: Sequence[float]) -> list[bool]:
-    """Per turn, whether its probe read the host calm: within ``HOST_NOISE`` of the lower
-    quartile of every turn's probe, as the planner's rounds judge it.
+class CalmTurns:
+    """Which turns of a run the host probe read calm, as the planner's rounds judge it.
+
+    A turn is calm when its probe lies within ``HOST_NOISE`` (10%) of the lower quartile
+    of every turn's probe. The reference is the run's own: where the host runs slow for
+    most of a run, its lower quartile is slow too and slow turns pass for calm (NOTE [The
+    host's pace] in ``cpu_offload/plan/_rounds.py``); only the slowest turns are left out.
 
     Example:
-        >>> calm_turns([6.0, 6.2, 12.0, 6.1, 6.5])
+        >>> turns = CalmTurns([6.0, 6.2, 12.0, 6.1, 6.5])
+        >>> turns.flags
         [True, True, False, True, True]
+        >>> turns.describe()
+        '4 of 5 turns whose probe read at most 6.7 ms (10% above the lower quartile 6.1 ms; probes 6.0 to 12.0 ms)'
     """
-    return calm(probe_ms, calm_reference(probe_ms))
+
+    def __init__(self, probe_ms: Sequence[float]) -> None:
+        self.probe_ms = list(probe_ms)
+        self.reference_ms = calm_reference(self.probe_ms)
+        self.flags = calm(self.probe_ms, self.reference_ms)
+
+    def keep(self, values: Sequence[float]) -> list[float]:
+        """The values of the calm turns (one value per turn)."""
+        return [v for v, ok in zip(values, self.flags, strict=True) if ok]
+
+    def describe(self) -> str:
+        limit = (1 + HOST_NOISE) * self.reference_ms
+        return (
+            f"{sum(self.flags)} of {len(self.flags)} turns whose probe read at most "
+            f"{limit:.1f} ms ({HOST_NOISE:.0%} above the lower quartile "
+            f"{self.reference_ms:.1f} ms; probes {min(self.probe_ms):.1f} to "
+            f"{max(self.probe_ms):.1f} ms)"
+        )
+
+
+def quartiles(values: Sequence[float]) -> tuple[float, float]:
+    """The lower and upper quartiles of ``values`` (inclusive: within their range).
+
+    Example:
+        >>> quartiles([1.0, 2.0])
+        (1.25, 1.75)
+    """
+    if len(values) < 2:
+        return (values[0], values[0])
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return (q[0], q[2])
 
 
 def paired_ratios(times: Sequence[float], base: Sequence[float]) -> list[float]:

@@ -11,9 +11,10 @@ saved-tensor hooks at all), in turns whose order rotates, three steps a turn (a 
 turns that is a multiple of the seven variants runs each in every position equally
 often). Each figure is the median over the turns of the step's ratio to no hooks in the
 same turn, with its interquartile range: over every turn, and over the turns whose host
-probe read calm (``_report.calm_turns``), which leaves out the host's slow phases.
+probe read within 10% of the run's lower quartile (``_report.CalmTurns``: this leaves out
+the run's slowest turns, not every slow phase of the host).
 
-    python benchmarks/host_hooks_by_layer.py --turns 60
+    python benchmarks/host_hooks_by_layer.py --turns 63
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 from _host_floors import kept, same
-from _report import calm_turns, paired_ratios, probed, rotated
+from _report import CalmTurns, paired_ratios, probed, quartiles, rotated
 from host_overhead import CUDA_SPEC, NEVER
 
 from cpu_offload import CudaTransport, v2
@@ -116,15 +117,13 @@ def measure(
 
 
 def _summary(ratios: list[float]) -> str:
-    if len(ratios) < 2:
-        return f"{ratios[0]:.4f}" if ratios else "-"
-    low, _, high = statistics.quantiles(ratios, n=4)
+    low, high = quartiles(ratios)
     return f"{statistics.median(ratios):.4f} [{low:.4f}, {high:.4f}]"
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--turns", type=int, default=60, help="turns of every variant")
+    p.add_argument("--turns", type=int, default=63, help="turns of every variant (a multiple of 7)")
     args = p.parse_args(argv)
     if args.turns < 2:
         p.error(f"--turns must be at least 2 (the interquartile range needs two), got {args.turns}")
@@ -133,17 +132,16 @@ def main(argv: list[str] | None = None) -> int:
     # Nothing is saved by V2 on purpose: it says once that it offloaded nothing.
     warnings.filterwarnings("ignore", message="the V2 CPU offload context ran all")
     times, probes = measure(variants(), args.turns)
-    calm = calm_turns(probes)
+    calm = CalmTurns(probes)
     print(
         f"torch {torch.__version__}, {torch.cuda.get_device_name()}, {CUDA_SPEC}, "
-        f"{args.turns} turns of {STEPS_PER_TURN} steps; host probe {min(probes):.1f} to "
-        f"{max(probes):.1f} ms, calm in {sum(calm)} turns"
+        f"{args.turns} turns of {STEPS_PER_TURN} steps; calm: {calm.describe()}"
     )
     base = times["no hooks"]
     print(f"  {'':32s} {'fastest step':>15s}  paired x, every turn  {'calm turns':>24s}")
     for name, ms in times.items():
         ratios = paired_ratios(ms, base)
-        quiet = [r for r, ok in zip(ratios, calm, strict=True) if ok]
+        quiet = calm.keep(ratios)
         print(f"  {name:32s} {min(ms):12.2f} ms  {_summary(ratios)}  {_summary(quiet)}")
     return 0
 

@@ -28,7 +28,9 @@ step: this benchmark measures that price, on the GPU or on the CPU stand-in.
   each: the best turn (``host x``, ``step x``: best against best), and the median over
   turns of the ratio to no offloading *in the same turn* (``paired``, with its
   interquartile range), which a host whose pace drifts between turns disturbs far less
-  than a ratio of bests.
+  than a ratio of bests. The host probe runs before and after each turn; the paired
+  ratios are also given over the turns whose probe read within 10% of the run's lower
+  quartile (``_report.CalmTurns``), which leaves out the run's slowest turns.
 * **profile**: where the host time of the V2 step goes, as a cProfile table of the
   functions of ``cpu_offload`` (and on CUDA a torch.profiler table).
 
@@ -50,7 +52,7 @@ from dataclasses import dataclass, field
 
 import torch
 from _host_floors import BareCopies, SavedCounter, kept, same
-from _report import calm_turns, paired_ratios, probed, rotated
+from _report import CalmTurns, paired_ratios, probed, quartiles, rotated
 
 from cpu_offload import CudaTransport, HostTransport, Transport, v2
 from cpu_offload._compile import outside_compile
@@ -279,7 +281,7 @@ def run_model(
             v.step_ms.append(statistics.median(gpu))
 
     probes = [probed(turn_of, turn) for turn in range(turns)]
-    calm = calm_turns(probes)
+    calm = CalmTurns(probes)
     if device == "cuda":
         for v in variants:  # above what the step starts from (bare copies' buffers too)
             torch.cuda.synchronize()
@@ -294,7 +296,7 @@ def run_model(
         host, step = min(v.host_ms), min(v.step_ms)
         extra = host - min(none.host_ms)
         paired = paired_ratios(v.step_ms, none.step_ms)
-        quiet = [r for r, ok in zip(paired, calm, strict=True) if ok]
+        quiet = calm.keep(paired)
         rows.append(
             {
                 "variant": v.name,
@@ -303,10 +305,10 @@ def run_model(
                 "host_ratio": host / min(none.host_ms),
                 "step_ratio": step / min(none.step_ms),
                 "step_ratio_paired": statistics.median(paired),
-                "step_ratio_paired_iqr": _quartiles(paired),
-                # The same over the turns whose host probe read calm (_report.calm_turns).
+                "step_ratio_paired_iqr": quartiles(paired),
+                # The same over the turns whose host probe read calm (_report.CalmTurns).
                 "step_ratio_paired_calm": statistics.median(quiet),
-                "step_ratio_paired_calm_iqr": _quartiles(quiet),
+                "step_ratio_paired_calm_iqr": quartiles(quiet),
                 "host_ratio_paired": statistics.median(paired_ratios(v.host_ms, none.host_ms)),
                 "extra_host_per_layer_us": extra / spec.layers * 1e3,
                 "extra_host_per_saved_tensor_us": extra / max(v.saved, 1) * 1e3,
@@ -320,7 +322,7 @@ def run_model(
         "spec": repr(spec),
         "rows": rows,
         "turn_probes_ms": probes,
-        "calm_turns": sum(calm),
+        "calm_turns": calm.describe(),
         # V2 over the copies alone, per turn: what V2 adds to moving its bytes.
         "v2_over_bare_copies_paired": None
         if bare_copies is None
@@ -347,13 +349,6 @@ def _moved_bytes(v: Variant) -> list[int]:
     """Bytes each offloaded layer of a V2 variant moved in its last step."""
     sync = v.ctx.offload_synchronizer  # type: ignore[attr-defined]
     return [sync.layers[i].moved_bytes for i in sorted(sync.schedule.offloaded)]
-
-
-def _quartiles(values: list[float]) -> tuple[float, float]:
-    if len(values) < 2:
-        return (values[0], values[0])
-    q = statistics.quantiles(values, n=4, method="inclusive")
-    return (q[0], q[2])
 
 
 def _profile(v: Variant, one_step: Callable[[Variant], None], device: str) -> str:
@@ -435,8 +430,7 @@ def main(argv: list[str] | None = None) -> int:
             f"  {r['variant']:24s} step x {r['step_ratio_paired']:.4f} [{lo:.4f}, {hi:.4f}]"
             f"  host x {r['host_ratio_paired']:.3f}"
         )
-    print(f"the same over the {model['calm_turns']} turns whose host probe read calm "
-          f"(probes {min(model['turn_probes_ms']):.1f} to {max(model['turn_probes_ms']):.1f} ms):")  # fmt: skip
+    print(f"the same over the {model['calm_turns']}:")
     for r in model["rows"][1:]:
         lo, hi = r["step_ratio_paired_calm_iqr"]
         print(f"  {r['variant']:24s} step x {r['step_ratio_paired_calm']:.4f} [{lo:.4f}, {hi:.4f}]")
