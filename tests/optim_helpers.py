@@ -28,10 +28,11 @@ class CpuAsDevice(HybridDeviceOptimizer):
     _early_min_numel = 0  # the test model's gradients are tiny
 
     def __init__(self, params: Any, **kwargs: Any) -> None:
-        super().__init__(params, is_device_param=_every_param, **kwargs)
+        super().__init__(params, is_device_param=every_param, **kwargs)
 
 
-def _every_param(param: torch.Tensor) -> bool:
+def every_param(param: torch.Tensor) -> bool:
+    """``is_device_param`` that treats every parameter, CPU tensors too, as a device one."""
     return True
 
 

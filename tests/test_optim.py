@@ -2,8 +2,8 @@
 
 HybridDeviceOptimizer's constructor refuses bad arguments, and ``compute_offload_split``
 decides which parameters are offloaded. CPU tensors stand in for device parameters:
-``_CpuAsDevice`` (``optim_helpers.CpuAsDevice``) passes ``is_device_param=lambda p: True``
-(real use never treats CPU tensors as device tensors, see
+``_CpuAsDevice`` (``optim_helpers.CpuAsDevice``) treats every parameter as a device
+parameter (``is_device_param``; real use never treats CPU tensors as device tensors, see
 ``test_real_use_never_offloads_cpu_params``). Copies are then synchronous, everything
 else is the code that runs on a GPU. The step's numerics, early copies, state dicts,
 measurements and the device step are tested in the test_optim_*.py files named after

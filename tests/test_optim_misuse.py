@@ -2,7 +2,8 @@
 argument, leaving the optimizer as it was; and what PyTorch's optimizers allow (state
 hooks, resetting state through ``optimizer.state``) works the same way.
 
-CPU tensors stand in for device parameters (``is_device_param``), as in test_optim.py.
+CPU tensors stand in for device parameters (``is_device_param``, ``optim_helpers.every_param``),
+as in test_optim.py.
 """
 
 from __future__ import annotations
@@ -15,20 +16,16 @@ from typing import Any
 
 import pytest
 import torch
+from optim_helpers import ADAMW, every_param
+from optim_helpers import same_params as _equal
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from cpu_offload.optim import HybridDeviceOptimizer
 
-ADAMW = {"lr": 1e-2, "weight_decay": 0.1, "foreach": False}
-
-
-def _every_param(param: torch.Tensor) -> bool:
-    return True
-
 
 def _hdo(params: Any, fraction: float = 0.5, **kwargs: Any) -> HybridDeviceOptimizer:
     return HybridDeviceOptimizer(
-        params, offload_fraction=fraction, is_device_param=_every_param, **kwargs
+        params, offload_fraction=fraction, is_device_param=every_param, **kwargs
     )
 
 
@@ -43,10 +40,6 @@ def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, seed:
         model(torch.randn(4, 8, generator=gen)).square().mean().backward()
         opt.step()
         opt.zero_grad()
-
-
-def _equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
 
 
 # -- construction ----------------------------------------------------------------------------
