@@ -13,6 +13,7 @@ import json
 import pytest
 import torch
 from helpers import cli_usage_error
+from optim_helpers import every_param as _every_param
 
 import cpu_offload.compare.optimizer as optimizer_module
 from cpu_offload.cli import main
@@ -56,10 +57,6 @@ def _run_cli(tmp_path, *args: str) -> tuple[str, dict]:
     out = tmp_path / "report.json"
     assert main([*TINY, "--json", str(out), *args]) == 0
     return out.read_text(), json.loads(out.read_text())
-
-
-def _every_param(param: torch.Tensor) -> bool:
-    return True
 
 
 # ---------------------------------------------------------------------- the default run

@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 import torch
+from optim_helpers import every_param as _every_param
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cpu_offload.optim import HybridDeviceOptimizer
@@ -34,10 +35,6 @@ from cpu_offload.optim._forward_overlap import ForwardOverlap
 from cpu_offload.optim._pending import is_pending
 
 WIDTH = 32
-
-
-def _every_param(param: torch.Tensor) -> bool:
-    return True
 
 
 def _model(device: str, dtype: torch.dtype) -> torch.nn.Module:
