@@ -167,6 +167,7 @@ class CalmTurns:
         return [v for v, ok in zip(values, self.flags, strict=True) if ok]
 
     def describe(self) -> str:
+        """How many turns were calm, the threshold and its reference, and the probes' range."""
         limit = (1 + HOST_NOISE) * self.reference_ms
         return (
             f"{sum(self.flags)} of {len(self.flags)} turns whose probe read at most "
