@@ -329,3 +329,28 @@ def test_run_layer_recomputed_gives_the_function_keywords_named_like_checkpoint_
         y = run_layer_recomputed(fn, (x,), {"debug": "mine", "context_fn": "also mine"})
     y.sum().backward()
     assert seen == [("mine", "also mine")] * 2
+
+
+def test_autograd_clock_orders_nodes_made_after_it() -> None:
+    x = torch.ones(3, requires_grad=True)
+    before = x.exp()
+    clock = _compat.autograd_clock()
+    after = x.exp()
+    assert before.grad_fn is not None and after.grad_fn is not None
+    assert before.grad_fn._sequence_nr() < clock <= after.grad_fn._sequence_nr()
+
+
+def test_autograd_clock_is_unknown_without_the_private_function(monkeypatch) -> None:
+    monkeypatch.delattr(torch._C._autograd, "_get_sequence_nr")
+    assert _compat.autograd_clock() == -1
+
+
+def test_to_copy_node_type_is_the_node_of_every_dtype_cast() -> None:
+    x = torch.ones(3, requires_grad=True)
+    node = _compat.to_copy_node_type()
+    for cast in (x.to(torch.bfloat16), x.double(), x.half().float(), x.type(torch.float16)):
+        assert type(cast.grad_fn) is node
+    assert type(x.exp().grad_fn) is not node
+    _compat.to_copy_node_type.cache_clear()
+    with torch.no_grad(), torch.inference_mode():  # the first call may come in any mode
+        assert _compat.to_copy_node_type() is node

@@ -9,6 +9,7 @@ among them) so that tests can check it for every release of the nox matrix.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Literal
@@ -22,6 +23,7 @@ __all__ = [
     "PINNED_ALLOC_IN_CAPTURE",
     "TORCH_VERSION",
     "TORCH_VERSION_STRING",
+    "autograd_clock",
     "capture_buffer_policy",
     "CHECKPOINT_EARLY_STOP_KWARG",
     "checkpoint_early_stop_off",
@@ -37,6 +39,7 @@ __all__ = [
     "parse_torch_version",
     "pinned_alloc_in_capture_supported",
     "queue_backward_callback",
+    "to_copy_node_type",
 ]
 
 #: Oldest PyTorch release this package supports.
@@ -305,6 +308,29 @@ def queue_backward_callback(callback: Callable[[], None]) -> None:
     Must be called from inside a backward pass (a hook).
     """
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def autograd_clock() -> int:
+    """The sequence number the calling thread's next autograd node will get.
+
+    Nodes are numbered in the order the forward creates them, per thread, so a node whose
+    ``_sequence_nr()`` is at least this value was made after this call. Uses
+    ``torch._C._autograd._get_sequence_nr``, which every supported release has; where it
+    is missing, -1 (callers then assume nothing about the order).
+    """
+    peek = getattr(torch._C._autograd, "_get_sequence_nr", None)
+    return -1 if peek is None else int(peek())
+
+
+@functools.cache
+def to_copy_node_type() -> type:
+    """The class of the autograd node that ``tensor.to(dtype)`` (``aten._to_copy``) makes.
+
+    Taken from a real node once, not matched by name.
+    """
+    with torch.inference_mode(False), torch.enable_grad():
+        x = torch.zeros(1, requires_grad=True)
+        return type(x.to(torch.float64).grad_fn)
 
 
 def in_backward() -> bool:

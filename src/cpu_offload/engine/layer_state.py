@@ -9,10 +9,11 @@ from collections.abc import Callable, Hashable, Iterable
 import torch
 
 from .. import _log
+from .._compat import autograd_clock
 from .host_buffers import HostBufferPool, LayerHostBuffers
 from .layout import TensorLayout
 from .reload_order import ReadOrder
-from .tensor_group import GroupPlan, SavedEntry, TensorGroupProcessor, Unit
+from .tensor_group import CastRef, GroupPlan, SavedEntry, TensorGroupProcessor, Unit
 from .transport import Transport, resolve_transport
 
 __all__ = ["LayerPhase", "OffloadableLayerState"]
@@ -94,6 +95,9 @@ class OffloadableLayerState:
         self.keep_view_bases = False
         #: Bytes of such bases in the last offload, kept or moved (0 before the first).
         self.view_base_bytes = 0
+        #: Bytes of the last offload's saved casts, rebuilt from their sources instead
+        #: of moved (NOTE [Casts rebuilt from their source] in ``recast.py``).
+        self.recast_bytes = 0
         #: Bytes of its other units the layer keeps on the device (NOTE [Bytes that
         #: pay]); read at each :meth:`start_offload`.
         self.keep_budget = 0
@@ -154,7 +158,14 @@ class OffloadableLayerState:
         self._seq += 1
         entries = self._entries
         entries.append(
-            SavedEntry(tensor, self.transport.record(), self._seq, force_base, tensor._version)
+            SavedEntry(
+                tensor,
+                self.transport.record(),
+                self._seq,
+                force_base,
+                tensor._version,
+                clock=autograd_clock(),
+            )
         )
         return len(entries) - 1
 
@@ -184,6 +195,7 @@ class OffloadableLayerState:
         if not self._entries:  # nothing saved: nothing to group, buffer or copy
             self._plan = GroupPlan()
             self.view_base_bytes = self.budget_kept_bytes = self.moved_bytes = 0
+            self.recast_bytes = 0
             self.deferred_bytes = 0
             self.phase = LayerPhase.OFFLOAD_STARTED
             return
@@ -192,6 +204,7 @@ class OffloadableLayerState:
             entry.keep = entry.tensor._version != entry.version
         plan = self.processor.process(self._entries, self.keep_view_bases)
         self.view_base_bytes = plan.view_base_bytes
+        self.recast_bytes = plan.recast_bytes
         self.budget_kept_bytes = plan.keep_units(self.keep_budget)
         moved = plan.moved
         self.moved_bytes = sum(u.nbytes for u in moved)
@@ -244,7 +257,9 @@ class OffloadableLayerState:
             else:
                 _log.offloaded(self.name, unit.tensor, unit.nbytes)
         for entry, ref in zip(self._entries, plan.refs, strict=True):
-            if not plan.unit_ids(ref):
+            if isinstance(ref, CastRef):
+                _log.kept(self.name, entry.tensor, "not moved: cast again from its source")
+            elif not plan.unit_ids(ref):
                 why = "changed in place" if entry.keep else "layout cannot be restored"
                 _log.kept(self.name, entry.tensor, why)
         moved = plan.moved
@@ -424,7 +439,7 @@ class OffloadableLayerState:
                     self._reload_units([unit], [None])
                 unit.pending_pops += 1
             self._join_reload(unit, stream, reads=True)
-        out = self.processor.restore(plan, ref)
+        out = self.processor.restore(plan, ref, stream)
         for u in unit_ids:
             unit = plan.units[u]
             unit.pending_pops -= 1

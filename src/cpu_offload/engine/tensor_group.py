@@ -11,7 +11,10 @@ inverse, applied after reload:
 * views of one base (q, k, v sliced from one qkv projection) -> the base, when the views
   cover it, and back to views with the same size, stride and offset (a layer may keep
   such views on the device instead: NOTE [Bytes that pay] in ``peak_watch.py``);
-* a dense but permuted tensor -> a host buffer with the same strides, and back.
+* a dense but permuted tensor -> a host buffer with the same strides, and back;
+* a cast of another saved tensor (fp32 attention probabilities and their bf16 copy) ->
+  nothing, cast again from the other one's reload (NOTE [Casts rebuilt from their
+  source] in ``recast.py``).
 
 A tensor none of these can restore exactly (a small strided slice of a large tensor,
 overlapping strides) stays on the device, with a warning once per shape: its layout is
@@ -28,9 +31,10 @@ import torch
 
 from .._warn import warn_at_caller
 from .layout import TensorLayout
+from .recast import CastRef, find_casts
 from .selection import is_dense
 
-__all__ = ["GroupPlan", "SavedEntry", "TensorGroupProcessor", "Unit"]
+__all__ = ["CastRef", "GroupPlan", "SavedEntry", "TensorGroupProcessor", "Unit"]
 
 #: Views are replaced by their base only when they hold at least this share of it, so
 #: that a small slice never drags a large base through the link.
@@ -52,6 +56,9 @@ class SavedEntry:
     keep: bool = False
     #: After the device memory is released: the original, to detect later changes.
     weak: weakref.ref[torch.Tensor] | None = None
+    #: ``_compat.autograd_clock()`` when it was saved; -1: unknown (NOTE [Casts rebuilt
+    #: from their source] in ``recast.py``).
+    clock: int = -1
 
 
 @dataclass(slots=True)  # made per saved tensor: slots make it cheaper
@@ -109,7 +116,7 @@ class _SubclassRef:
     inner: dict[str, _Ref]
 
 
-_Ref = _UnitRef | _KeptRef | _SubclassRef
+_Ref = _UnitRef | _KeptRef | _SubclassRef | CastRef
 
 
 @dataclass
@@ -121,6 +128,8 @@ class GroupPlan:
     #: Bytes of the bases copied only because strided views of them were saved: what
     #: keeping those views on the device would spare the link.
     view_base_bytes: int = 0
+    #: Bytes of the saved tensors rebuilt as casts of others instead of moved.
+    recast_bytes: int = 0
 
     @property
     def moved(self) -> list[Unit]:
@@ -190,6 +199,8 @@ class GroupPlan:
             return [ref.unit]
         if isinstance(ref, _SubclassRef):
             return [u for r in ref.inner.values() for u in self.unit_ids(r)]
+        if isinstance(ref, CastRef):
+            return self.unit_ids(ref.source)  # type: ignore[arg-type]
         return []
 
 
@@ -215,6 +226,7 @@ class _Leaf:
     ready: object | None
     seq: int
     force_base: bool
+    clock: int
     key: tuple[object, ...] = ()
 
 
@@ -250,11 +262,13 @@ class TensorGroupProcessor:
                 if leaf.seq > leaves[j].seq:
                     leaves[j].ready, leaves[j].seq = leaf.ready, leaf.seq
                 leaves[j].force_base |= leaf.force_base
+                leaves[j].clock = -1 if leaf.clock < 0 else min(leaves[j].clock, leaf.clock)
             alias.append(j)
+        distinct = sorted(set(alias))
 
         # Group the distinct leaves by the base tensor that owns their memory.
         roots: dict[tuple[object, ...], tuple[torch.Tensor, list[int]]] = {}
-        for i in sorted(set(alias)):
+        for i in distinct:
             t = leaves[i].tensor
             base = t._base
             if base is None:
@@ -264,7 +278,10 @@ class TensorGroupProcessor:
 
         plan = GroupPlan()
         leaf_refs: dict[int, _Ref] = {}
+        casts = self._casts(roots, leaves, distinct)
         for root_key, (root, members) in roots.items():
+            if root_key in casts:
+                continue  # rebuilt from its source below
             if len(members) == 1:
                 leaf = leaves[members[0]]
                 if leaf.tensor is root:
@@ -278,12 +295,50 @@ class TensorGroupProcessor:
                     leaf_refs[members[0]] = _UnitRef(self._add_unit(plan, leaf.tensor, leaf), None)
                     continue
             leaf_refs.update(self._plan_root(root, members, leaves, plan, keep_view_bases))
+        for root_key, source in casts.items():  # in saving order: a source comes first
+            root, (i,) = roots[root_key]
+            t = leaves[i].tensor
+            view = None
+            if leaves[i].key != root_key:
+                view = (tuple(t.shape), t.stride(), int(t.storage_offset() - root.storage_offset()))
+            leaf_refs[i] = CastRef(
+                leaf_refs[source], root.dtype, tuple(root.shape), root.stride(), view
+            )
+            plan.recast_bytes += root.numel() * root.element_size()
 
         plan.refs = [self._resolve(tpl, leaf_refs, alias) for tpl in templates]
         for ref in plan.refs:
             for u in plan.unit_ids(ref):
                 plan.units[u].pending_pops += 1
         return plan
+
+    @staticmethod
+    def _casts(
+        roots: dict[tuple[object, ...], tuple[torch.Tensor, list[int]]],
+        leaves: list[_Leaf],
+        distinct: list[int],
+    ) -> dict[tuple[object, ...], int]:
+        """Roots rebuilt as casts of a saved source -> the source's leaf index (NOTE
+        [Casts rebuilt from their source] in ``recast.py``).
+
+        A root qualifies when one tensor is saved of it: itself, or a view of its dtype
+        that holds at least ``_BASE_COVERAGE`` of it (the rebuilt cast is the whole
+        root; several views of one cast would each rebuild it, so they are moved).
+        """
+        keys = [
+            key
+            for key, (root, members) in roots.items()
+            if len(members) == 1
+            and leaves[members[0]].tensor.dtype == root.dtype
+            and leaves[members[0]].tensor.numel() >= _BASE_COVERAGE * root.numel()
+        ]
+        sources = [i for i in distinct if leaves[i].tensor._base is None]
+        found = find_casts(
+            [roots[key][0] for key in keys],
+            [leaves[i].tensor for i in sources],
+            [leaves[i].clock for i in sources],
+        )
+        return {keys[c]: sources[s] for c, s in found.items()}
 
     def _flatten(self, tensor: torch.Tensor, entry: SavedEntry, leaves: list[_Leaf]) -> object:
         # A template mirrors the nesting of wrapper subclasses; ints are leaf indices.
@@ -293,7 +348,7 @@ class TensorGroupProcessor:
             names, ctx = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
             inner = {n: self._flatten(getattr(tensor, n), entry, leaves) for n in names}
             return (type(tensor), ctx, tensor.size(), tensor.stride(), inner)
-        leaves.append(_Leaf(tensor, entry.ready, entry.seq, entry.force_base))
+        leaves.append(_Leaf(tensor, entry.ready, entry.seq, entry.force_base, entry.clock))
         return len(leaves) - 1
 
     def _resolve(self, template: object, leaf_refs: dict[int, _Ref], alias: list[int]) -> _Ref:
@@ -395,12 +450,15 @@ class TensorGroupProcessor:
     # -- backward: units -> tensors --------------------------------------------------
 
     @staticmethod
-    def restore(plan: GroupPlan, ref: _Ref) -> torch.Tensor:
-        """Rebuild the tensor of ``ref`` from the reloaded units of ``plan``."""
+    def restore(plan: GroupPlan, ref: _Ref, stream: Hashable = None) -> torch.Tensor:
+        """Rebuild the tensor of ``ref`` from the reloaded units of ``plan``, for a read
+        on ``stream`` (the current one)."""
         if isinstance(ref, _KeptRef):
             return ref.tensor
+        if isinstance(ref, CastRef):
+            return ref.rebuild(TensorGroupProcessor.restore(plan, ref.source, stream))  # type: ignore[arg-type]
         if isinstance(ref, _SubclassRef):
-            inner = {n: TensorGroupProcessor.restore(plan, r) for n, r in ref.inner.items()}
+            inner = {n: TensorGroupProcessor.restore(plan, r, stream) for n, r in ref.inner.items()}
             return ref.cls.__tensor_unflatten__(inner, ref.ctx, ref.size, ref.stride)  # type: ignore[attr-defined]
         unit = plan.units[ref.unit]
         base = unit.reloaded

@@ -1,0 +1,112 @@
+"""Saved tensors that are exact casts of other saved tensors: stored once, cast again.
+
+NOTE [Casts rebuilt from their source]
+Attention that takes its softmax in fp32 saves the probabilities twice: softmax saves
+its fp32 output for its own backward, and the matmul with v saves the bf16 cast of it
+(Megatron-Core's local ``DotProductAttention`` with ``attention_softmax_in_fp32``, and
+``transformers``' eager attention, ``softmax(..., dtype=torch.float32).to(q.dtype)``).
+On Megatron-Core's GPT at h 2048, s 2048, b 2 that cast is 256 of a layer's 1,028 MiB.
+Copying it to the host and back buys nothing: the engine moves the fp32 tensor anyway,
+and casting it again in backward gives the same bits (a cast is elementwise, with one
+rounding rule) in a fraction of the copy's time. So a saved tensor ``t`` is not copied
+but rebuilt from its source ``s`` when all of these hold:
+
+* ``t``'s autograd node is ``aten._to_copy``'s (``.to(dtype)``, ``.float()``, ...), whose
+  only input edge is ``s``'s (same node, same output), ``s`` is saved as itself in the
+  same layer, and neither is a view; both are real floating-point tensors of one shape
+  on one device;
+* the layer saves ``t`` itself or one view of it (``bmm`` saves the probabilities
+  reshaped to 3-D) holding at least half of it: several views would each rebuild all of
+  ``t`` in backward, so they are moved as before;
+* ``t`` is at version 0 when the layer's copies start: nothing changed it after the cast;
+* ``s`` was saved before the cast ran: the cast's node was made after ``s``'s pack hook
+  ran (``_compat.autograd_clock``), and ``s`` is at the version it was saved at when the
+  layer's copies start (else it is kept on the device, and backward raises as without
+  offloading). So ``s`` had the saved value when the cast read it. Without the clock
+  check, ``s`` changed under ``torch.no_grad()`` between the cast and its saving would
+  go unnoticed.
+
+Backward then reads ``s``'s reload and casts it into a tensor with ``t``'s size and
+strides (``torch.empty_strided(...).copy_(s)``, the kernel ``_to_copy`` runs), then takes
+the saved view of it. ``t``'s device memory goes when ``s``'s does, and comes back only
+when backward reads it. V1 and V2 share this (it is the engine's tensor grouping); a
+layer that is kept or recomputed is not touched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .._compat import to_copy_node_type
+
+__all__ = ["CastRef", "find_casts"]
+
+
+@dataclass(frozen=True, slots=True)
+class CastRef:
+    """A saved tensor rebuilt from a cast of another saved tensor: the cast itself, or
+    one view of it (``view``: size, stride, offset)."""
+
+    source: object  # the source's reference in its GroupPlan
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    view: tuple[tuple[int, ...], tuple[int, ...], int] | None
+
+    def rebuild(self, source: torch.Tensor) -> torch.Tensor:
+        """The cast of ``source`` with the saved cast's size and strides (the kernel
+        ``tensor.to(dtype)`` runs, so the same bits), or the saved view of it."""
+        out = torch.empty_strided(self.size, self.stride, dtype=self.dtype, device=source.device)
+        out.copy_(source)
+        return out if self.view is None else out.as_strided(*self.view)
+
+
+def find_casts(
+    casts: Sequence[torch.Tensor], sources: Sequence[torch.Tensor], clocks: Sequence[int]
+) -> dict[int, int]:
+    """Which of ``casts`` are exact casts of one of ``sources`` (NOTE [Casts rebuilt from
+    their source]).
+
+    Args:
+        casts: Tensors whose memory a layer's saved tensors use (saved as themselves,
+            or bases of saved views), unchanged since they were saved.
+        sources: Tensors the layer saved as themselves, unchanged since.
+        clocks: For each source, :func:`cpu_offload._compat.autograd_clock` when it was
+            first saved (-1: unknown, never a source).
+
+    Returns:
+        Index in ``casts`` -> index in ``sources``.
+    """
+    cast_node = to_copy_node_type()
+    nodes = [t.grad_fn for t in casts]
+    if not any(type(node) is cast_node for node in nodes):
+        return {}
+    by_edge: dict[tuple[object, int], int] = {}
+    for j, s in enumerate(sources):
+        made_by = s.grad_fn
+        if made_by is not None and clocks[j] >= 0 and _plain(s):
+            by_edge.setdefault((made_by, s.output_nr), j)
+    found: dict[int, int] = {}
+    for i, (t, cast) in enumerate(zip(casts, nodes, strict=True)):
+        if cast is None or type(cast) is not cast_node or t._version != 0 or not _plain(t):
+            continue
+        edges = cast.next_functions
+        if len(edges) != 1 or edges[0][0] is None:
+            continue
+        k = by_edge.get((edges[0][0], edges[0][1]))
+        if k is None or sources[k] is t:
+            continue
+        s = sources[k]
+        if s.shape != t.shape or s.device != t.device:
+            continue
+        if cast._sequence_nr() < clocks[k]:
+            continue  # cast before ``s`` was saved: ``s`` may have changed in between
+        found[i] = k
+    return found
+
+
+def _plain(t: torch.Tensor) -> bool:
+    return type(t) is torch.Tensor and t._base is None and t.dtype.is_floating_point
