@@ -12,7 +12,7 @@ from test_layers import _train as train
 from torch import nn
 
 from cpu_offload import HostTransport, offload_layers
-from cpu_offload.compare._profile import saved_bytes
+from cpu_offload.compare._profile import SavedLog, saved_bytes
 from cpu_offload.engine.selection import ActivationPolicy
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -94,10 +94,10 @@ def test_parts_are_bit_identical_and_remove_restores(parts) -> None:  # type: ig
     _assert_equal(_train(model, batches), want)
 
 
-def _saved_inside(module: nn.Module, model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+def _saved_inside(module: nn.Module, model: nn.Module, x: torch.Tensor) -> SavedLog:
     """What autograd saves inside ``module``'s forward in one forward of ``model``."""
-    saved: list[torch.Tensor] = []
-    hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t)
+    saved = SavedLog()
+    hooks = torch.autograd.graph.saved_tensors_hooks(saved, lambda t: t)
     pre = module.register_forward_pre_hook(lambda *_: hooks.__enter__())
     post = module.register_forward_hook(lambda *_: hooks.__exit__(None, None, None))
     try:
@@ -112,7 +112,7 @@ def test_only_what_the_offloaded_part_saves_moves() -> None:
     model = _blocks()
     batches = _batches(1)
     policy = ActivationPolicy(MIN, lambda t: t.device.type == "cpu")
-    _, mlp_bytes = saved_bytes(_saved_inside(model[0].mlp, model, batches[0]), policy)
+    _, mlp_bytes, _ = saved_bytes(_saved_inside(model[0].mlp, model, batches[0]), policy)
     _, part, _ = _run(model, batches, parts={0: {"mlp": "offload"}})
     _, whole, _ = _run(model, batches, offloaded=[0])
     assert part.bytes_offloaded == mlp_bytes > 0

@@ -135,7 +135,12 @@ def _broken(edit) -> dict:  # type: ignore[no-untyped-def]
         ),
         (
             lambda d: d["profile"]["layers"][0].update(offload_bytes=10**6),
-            r"plan.profile.layers\[0\].offload_bytes \(1000000\) must be at most saved_bytes",
+            r"plan.profile.layers\[0\].offload_bytes \+ recast_bytes \(1000000 \+ 0\) must be "
+            r"at most saved_bytes",
+        ),
+        (
+            lambda d: d["profile"]["layers"][0].update(recast_bytes=-1),
+            r"plan.profile.layers\[0\].recast_bytes must be an int >= 0",
         ),
         (
             lambda d: d["profile"]["link"].update(d2h_gbps=0),
@@ -177,12 +182,12 @@ def test_load_names_the_file(tmp_path: Path) -> None:
 
 
 def _parts_plan() -> Plan:
-    storages = (Storage(100, 100), Storage(40, 0, outside=True))
+    storages = (Storage(100, 100), Storage(40, 0, outside=True), Storage(50, 50, recast_of=0))
     parts = (
-        PartCost("core", 0.5, 0.25, saved=(0,), inputs=(1,)),
+        PartCost("core", 0.5, 0.25, saved=(0, 2), inputs=(1,)),
         PartCost("mlp", 1.0, 0.5, saved=(), inputs=(0,)),
     )
-    layer = LayerCost(1.0, 2.0, 100, 100, 10, storages=storages, parts=parts)
+    layer = LayerCost(1.0, 2.0, 190, 100, 10, storages=storages, parts=parts, recast_bytes=50)
     profile = Profile((layer, layer), Link(0.001, 0.001), 10, 0.25, "a test device")
     choice = Parts((("core", Choice.RECOMPUTE), ("mlp", Choice.KEEP)))
     return Plan((choice, Choice.KEEP), 500, 4.5, 150, profile)
@@ -197,6 +202,17 @@ def test_round_trip_keeps_part_by_part_choices_and_the_parts() -> None:
     # Without the profile, the choices alone load too.
     del data["profile"]
     assert plan_from_dict(data).choices == plan.choices
+
+
+def test_a_file_written_before_casts_were_rebuilt_loads_with_none() -> None:
+    data = plan_to_dict(_parts_plan())
+    for layer in data["profile"]["layers"]:
+        del layer["recast_bytes"]
+        layer["storages"] = [item[:3] for item in layer["storages"]]
+    loaded = plan_from_dict(data)
+    assert loaded.profile is not None
+    for cost in loaded.profile.layers:
+        assert cost.recast_bytes == 0 and all(s.recast_of is None for s in cost.storages)
 
 
 def test_a_file_written_before_parts_were_profiled_loads_without_them() -> None:
@@ -228,8 +244,13 @@ def test_a_file_written_before_parts_were_profiled_loads_without_them() -> None:
             r"plan.profile.layers\[0\].storages\[0\] must be \[bytes, offload bytes <= bytes",
         ),
         (
+            lambda d: d["profile"]["layers"][0]["storages"].__setitem__(2, [50, 50, False, 3]),
+            r"plan.profile.layers\[0\].storages\[2\] must be .*index of the storage it is a "
+            r"cast of, or null\], got \[50, 50, False, 3\]",
+        ),
+        (
             lambda d: d["profile"]["layers"][0]["parts"][0].update(saved=[5]),
-            r"plan.profile.layers\[0\].parts\[0\].saved must list storage indices in \[0, 1\]",
+            r"plan.profile.layers\[0\].parts\[0\].saved must list storage indices in \[0, 2\]",
         ),
     ],
 )

@@ -51,7 +51,7 @@ def memory_need(spec: ModelSpec) -> MemoryNeed:
         layer = build_layers(one, "meta")[0]
     saved = saved_in_forward(layer, (one.make_input("meta").requires_grad_(),), {})
     params = sum(p.numel() * p.element_size() for p in layer.parameters()) * spec.layers
-    return MemoryNeed(params, params, distinct_bytes(saved) * spec.layers)
+    return MemoryNeed(params, params, distinct_bytes(saved.tensors) * spec.layers)
 
 
 def _host_available() -> int | None:

@@ -13,11 +13,13 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .._compat import autograd_clock
 from ..engine.selection import ActivationPolicy
 from ..engine.tensor_group import SavedEntry, TensorGroupProcessor
 from .workload import Workload
 
 __all__ = [
+    "SavedLog",
     "capture_inputs",
     "distinct_bytes",
     "forward_cost",
@@ -80,15 +82,27 @@ class _OnDevice:
         return tensor.device == self.device
 
 
-class _Collect:
-    """Pack hook that keeps every saved tensor in a list."""
+class SavedLog:
+    """Pack hook that keeps every saved tensor, with the autograd clock when it was saved
+    (what the engine records to find saved casts: NOTE [Casts rebuilt from their source]
+    in ``cpu_offload/engine/recast.py``)."""
 
-    def __init__(self, into: list[torch.Tensor]) -> None:
-        self.into = into
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+        self.clocks: list[int] = []
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.into.append(tensor)
+        self.tensors.append(tensor)
+        self.clocks.append(autograd_clock())
         return tensor
+
+    def entries(self, policy: ActivationPolicy) -> list[SavedEntry]:
+        """The saved tensors ``policy`` selects, as the engine records them."""
+        return [
+            SavedEntry(t, None, i, version=t._version, clock=c)
+            for i, (t, c) in enumerate(zip(self.tensors, self.clocks, strict=True))
+            if policy(t)
+        ]
 
 
 def _identity(tensor: torch.Tensor) -> torch.Tensor:
@@ -117,47 +131,48 @@ def distinct_bytes(saved: list[torch.Tensor]) -> int:
 
 
 def saved_bytes(
-    saved: list[torch.Tensor],
+    saved: SavedLog,
     policy: ActivationPolicy,
     processor: TensorGroupProcessor | None = None,
-) -> tuple[int, int]:
-    """(distinct bytes saved, bytes the engine would offload) of one layer's saved tensors.
+) -> tuple[int, int, int]:
+    """(distinct bytes saved, bytes the engine would move, bytes it would release without
+    moving them) of one layer's saved tensors.
 
     Parameters (and views of them) are not counted; tensors sharing a storage count
-    once. The offloaded part is what the engine's own tensor grouping moves of the
-    tensors ``policy`` selects.
+    once. What is moved and released is what the engine's own tensor grouping makes of
+    the tensors ``policy`` selects: its units, and the saved casts it rebuilds.
     """
-    total = distinct_bytes(saved)
-    entries = [SavedEntry(t, None, i) for i, t in enumerate(saved) if policy(t)]
+    total = distinct_bytes(saved.tensors)
+    entries = saved.entries(policy)
     if not entries:
-        return total, 0
-    units = (processor or TensorGroupProcessor()).process(entries).units
-    return total, min(sum(u.nbytes for u in units), total)
+        return total, 0, 0
+    plan = (processor or TensorGroupProcessor()).process(entries)
+    moved = min(sum(u.nbytes for u in plan.units), total)
+    return total, moved, min(plan.recast_bytes, total - moved)
 
 
-def saved_in_forward(
-    layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> list[torch.Tensor]:
+def saved_in_forward(layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> SavedLog:
     """Every tensor ``layer`` saves for backward in one forward on ``args`` and ``kwargs``."""
-    saved: list[torch.Tensor] = []
-    with torch.autograd.graph.saved_tensors_hooks(_Collect(saved), _identity):
+    saved = SavedLog()
+    with torch.autograd.graph.saved_tensors_hooks(saved, _identity):
         layer(*args, **kwargs)
     return saved
 
 
 def saved_per_layer(
     layers: list[nn.Module], calls: list[Call], min_numel: int
-) -> list[tuple[int, int, int]]:
-    """(saved bytes, offloadable bytes, input bytes) of each layer, from one forward."""
+) -> list[tuple[int, int, int, int]]:
+    """(saved bytes, bytes moved, bytes released unmoved, input bytes) of each layer, as
+    offloading it would treat them, from one forward."""
     out = []
     processor = TensorGroupProcessor()
     for layer, (args, kwargs) in zip(layers, calls, strict=True):
         x = _first_tensor(args, kwargs)
         device = x.device if x is not None else next(layer.parameters()).device
         policy = ActivationPolicy(min_numel, _OnDevice(device))
-        total, offload = saved_bytes(saved_in_forward(layer, args, kwargs), policy, processor)
+        total, moved, recast = saved_bytes(saved_in_forward(layer, args, kwargs), policy, processor)
         inp = x.numel() * x.element_size() if x is not None else 0
-        out.append((total, offload, inp))
+        out.append((total, moved, recast, inp))
     return out
 
 

@@ -453,7 +453,10 @@ def _profiles(
         starts = {s.label: s for s in none.spans if s.lane == "compute"}
         fwd = [starts[f"F{j}"].end_ms - starts[f"F{j}"].start_ms for j in range(len(layers))]
         bwd = [starts[f"B{j}"].end_ms - starts[f"B{j}"].start_ms for j in range(len(layers))]
-    return [LayerProfile(f, b, s, o, i) for f, b, (s, o, i) in zip(fwd, bwd, saved, strict=True)]
+    return [
+        LayerProfile(f, b, s, o, i, recast_bytes=r)
+        for f, b, (s, o, r, i) in zip(fwd, bwd, saved, strict=True)
+    ]
 
 
 def _simulate_into(

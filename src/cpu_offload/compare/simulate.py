@@ -32,6 +32,14 @@ class LayerProfile:
     saved_bytes: int  # everything the layer keeps for backward
     offload_bytes: int  # the part offloading moves (above the size threshold)
     input_bytes: int  # the layer's input (what activation checkpointing keeps)
+    #: The part offloading releases without moving: saved casts, cast again in backward
+    #: (NOTE [Casts rebuilt from their source] in ``cpu_offload/engine/recast.py``).
+    recast_bytes: int = 0
+
+    @property
+    def released_bytes(self) -> int:
+        """What offloading takes off the device between the layer's forward and backward."""
+        return self.offload_bytes + self.recast_bytes
 
 
 @dataclass(frozen=True)
@@ -179,8 +187,8 @@ def _serial(sim: _Sim, p: list[LayerProfile], variant: str, k: int) -> None:
         sim.compute(f"F{j}", p[j].forward_ms)
         if moved:
             start = sim.t
-            sim.t = sim.copy("offload", f"L{j}", start, start, p[j].offload_bytes)
-            sim.free(p[j].offload_bytes)
+            sim.t = sim.copy("offload", f"L{j}", start, start, _sent(p[j], variant))
+            sim.free(p[j].released_bytes)
     for j in reversed(range(n)):
         moved = j < k and variant != "none"
         if moved and variant == "checkpoint":
@@ -190,11 +198,16 @@ def _serial(sim: _Sim, p: list[LayerProfile], variant: str, k: int) -> None:
             sim.free(p[j].saved_bytes + p[j].input_bytes)
             continue
         if moved:
-            sim.alloc(p[j].offload_bytes)
+            sim.alloc(p[j].released_bytes)
             start = sim.t
-            sim.t = sim.copy("reload", f"L{j}", start, start, p[j].offload_bytes)
+            sim.t = sim.copy("reload", f"L{j}", start, start, _sent(p[j], variant))
         sim.compute(f"B{j}", p[j].backward_ms)
         sim.free(p[j].saved_bytes)
+
+
+def _sent(layer: LayerProfile, variant: str) -> int:
+    # torch's save_on_cpu copies every saved tensor, the saved casts included.
+    return layer.released_bytes if variant == "save_on_cpu" else layer.offload_bytes
 
 
 def _per_layer(
@@ -220,7 +233,7 @@ def _per_layer(
     def finish(point: tuple[bool, int]) -> None:
         for i in finish_at.get(point, ()):
             sim.wait_until(offload_end[i], f"wait offload L{i}")
-            sim.free(p[i].offload_bytes)
+            sim.free(p[i].released_bytes)
 
     for j in range(n):
         finish((True, j))
@@ -238,7 +251,7 @@ def _per_layer(
     for j in reversed(range(n)):
         finish((False, j))
         for i in reload_at.get(j, ()):
-            sim.alloc(p[i].offload_bytes)
+            sim.alloc(p[i].released_bytes)
             reload_start[i] = max(h2d_free, sim.t)
             reload_end[i] = sim.copy("reload", f"L{i}", h2d_free, sim.t, p[i].offload_bytes)
             h2d_free = reload_end[i]
@@ -281,10 +294,10 @@ def _v1_async(sim: _Sim, p: list[LayerProfile], k: int) -> None:
             d2h_free = offload_end[j]
         for group in release_at.get(j, ()):
             sim.wait_until(offload_end[group], f"wait offload L{group}")
-            sim.free(p[group].offload_bytes)
+            sim.free(p[group].released_bytes)
     for j in reversed(range(n)):
         for group in sorted(release_at.get(j, ()), reverse=True):
-            sim.alloc(p[group].offload_bytes)
+            sim.alloc(p[group].released_bytes)
             reload_start[group] = max(h2d_free, sim.t)
             reload_end[group] = sim.copy(
                 "reload", f"L{group}", h2d_free, sim.t, p[group].offload_bytes

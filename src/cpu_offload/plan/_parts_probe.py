@@ -20,8 +20,10 @@ from torch import nn
 
 from .._layer_parts import check_part_names
 from .._layer_stack import check_indices
-from ..compare._profile import activation_storage
+from ..compare._profile import SavedLog, activation_storage
+from ..engine.recast import CastRef
 from ..engine.selection import ActivationPolicy
+from ..engine.tensor_group import TensorGroupProcessor
 from ._probe import Clock, sleep_cycles, timed_step
 from .costs import PartCost, Storage
 from .model import Profile
@@ -58,6 +60,26 @@ class _Layer:
     storages: list[list[int]] = field(default_factory=list)  # [bytes, offload bytes]
     saved_by: dict[str, set[int]] = field(default_factory=dict)  # innermost module -> saved
     inputs_of: dict[str, set[int]] = field(default_factory=dict)  # module -> its inputs
+    log: SavedLog = field(default_factory=SavedLog)  # what it saved, until the layer ends
+    recast_of: dict[int, int] = field(default_factory=dict)  # saved cast -> its source
+
+    def find_recasts(self, policy: ActivationPolicy) -> None:
+        """Which saved storages offloading rebuilds from others (the engine's own
+        grouping of everything the layer saved, NOTE [Casts rebuilt from their source]
+        in ``cpu_offload/engine/recast.py``); then let the saved tensors go."""
+        entries = self.log.entries(policy)
+        plan = TensorGroupProcessor().process(entries) if entries else None
+        refs = [] if plan is None else plan.refs
+        for entry, ref in zip(entries, refs, strict=True):
+            if isinstance(ref, CastRef):
+                source = next(e for e, r in zip(entries, refs, strict=True) if r is ref.source)
+                self.recast_of[self._number_of(entry.tensor)] = self._number_of(source.tensor)
+        self.log = SavedLog()
+
+    def _number_of(self, t: torch.Tensor) -> int:
+        storage = activation_storage(t)
+        assert storage is not None  # the policy takes no parameter
+        return self.index[storage._cdata]
 
     def number(self, t: torch.Tensor, policy: ActivationPolicy, saved: bool) -> int | None:
         storage = activation_storage(t)
@@ -111,12 +133,14 @@ class _Recorder:
             self._saving.__exit__(None, None, None)
             self._saving = None
             assert self.current is not None
+            self.current.find_recasts(self.policy)
             self.current.keep.clear()
             self.current = None
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         layer = self.current
         if layer is not None:
+            layer.log(t)
             number = layer.number(t, self.policy, saved=True)
             if number is not None:
                 layer.saved_by.setdefault(self.stack[-1], set()).add(number)
@@ -286,7 +310,10 @@ def part_costs(
         for name, numbers in rec.saved_by.items():
             if not any(_inside(name, part) for part in part_names):
                 outside |= numbers
-        storages = tuple(Storage(b, o, i in outside) for i, (b, o) in enumerate(rec.storages))
+        storages = tuple(
+            Storage(b, o, i in outside, rec.recast_of.get(i))
+            for i, (b, o) in enumerate(rec.storages)
+        )
         parts = []
         for name in part_names:
             marks = timer.device.get((j, name), [])

@@ -22,7 +22,7 @@ from torch import nn
 
 from .._compat import in_backward
 from .._hold import cycles_per_ms
-from ..compare._profile import saved_bytes
+from ..compare._profile import SavedLog, saved_bytes
 from ..engine.selection import ActivationPolicy
 
 __all__ = [
@@ -176,9 +176,10 @@ class Probe:
         #: When the step began on the host's clock (set by :func:`timed_step`).
         self.host_start = 0.0
         self.host_bwd: list[list[float]] = [[] for _ in layers]
-        self.saved: list[list[torch.Tensor]] = [[] for _ in layers]
-        #: (distinct bytes saved, bytes the engine would offload) per layer.
-        self.saved_bytes = [(0, 0)] * n
+        self.saved = [SavedLog() for _ in layers]
+        #: (distinct bytes saved, bytes the engine would move, bytes it would release
+        #: without moving them) per layer.
+        self.saved_bytes = [(0, 0, 0)] * n
         self.input_bytes = [0] * n
         self.workspace = [0] * n
         #: Peak memory of the head and loss above what the layers hold (GPU only).
@@ -230,13 +231,8 @@ class Probe:
             self.input_bytes[j] = 0 if x is None else x.numel() * x.element_size()
             self._mem_at = self._memory_mark()
             if self.capture:
-                into = self.saved[j]
-
-                def pack(t: torch.Tensor) -> torch.Tensor:
-                    into.append(t)
-                    return t
-
-                self._saving = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+                self.saved[j] = SavedLog()
+                self._saving = torch.autograd.graph.saved_tensors_hooks(self.saved[j], lambda t: t)
                 self._saving.__enter__()
 
         return hook
@@ -251,7 +247,7 @@ class Probe:
                 # Counted now and let go: backward frees them as it would without us.
                 assert self.policy is not None
                 self.saved_bytes[j] = saved_bytes(self.saved[j], self.policy)
-                self.saved[j] = []
+                self.saved[j] = SavedLog()
             if self.memory:
                 # What the forward held at its peak beyond what it left allocated.
                 peak = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()

@@ -120,11 +120,15 @@ class Storage:
             where the engine keeps it).
         outside: Whether the layer saves it outside its parts too: kept whatever its
             parts do.
+        recast_of: The storage it is a saved cast of, where offloading rebuilds it from
+            that one instead of moving it (both sent to the engine; NOTE [Casts rebuilt
+            from their source] in ``cpu_offload/engine/recast.py``), else None.
     """
 
     nbytes: int
     offload_bytes: int
     outside: bool = False
+    recast_of: int | None = None
 
 
 @dataclass(frozen=True)
@@ -195,6 +199,9 @@ class LayerCost:
             where its parts were profiled (:class:`Storage`).
         parts: Its parts, where profiled (:class:`PartCost`): what a :class:`Parts`
             choice keeps, offloads and recomputes is taken from them.
+        recast_bytes: The part of ``saved_bytes`` offloading releases without moving it:
+            saved casts of other saved tensors, cast again in backward (NOTE [Casts
+            rebuilt from their source] in ``cpu_offload/engine/recast.py``).
     """
 
     forward_ms: float
@@ -207,6 +214,7 @@ class LayerCost:
     host: HostCost | None = None
     storages: tuple[Storage, ...] = ()
     parts: tuple[PartCost, ...] = ()
+    recast_bytes: int = 0
 
     @property
     def rerun_ms(self) -> float:

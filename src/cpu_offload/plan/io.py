@@ -69,10 +69,13 @@ def _profile_to_dict(profile: Profile) -> dict[str, Any]:
                 "recompute_ms": c.recompute_ms,
                 "saved_bytes": c.saved_bytes,
                 "offload_bytes": c.offload_bytes,
+                "recast_bytes": c.recast_bytes,
                 "input_bytes": c.input_bytes,
                 "workspace_bytes": c.workspace_bytes,
                 "host": None if c.host is None else asdict(c.host),
-                "storages": [[s.nbytes, s.offload_bytes, s.outside] for s in c.storages],
+                "storages": [
+                    [s.nbytes, s.offload_bytes, s.outside, s.recast_of] for s in c.storages
+                ],
                 "parts": [
                     {
                         "name": p.name,
@@ -192,19 +195,28 @@ def _storages_from(r: _Reader) -> tuple[Storage, ...]:
     out = []
     for k, item in enumerate(r.listing("storages")):
         path = f"{r.path}.storages[{k}]"
+        # A fourth item, the storage it is a saved cast of (or null), is absent from
+        # files written before saved casts were rebuilt.
         if (
             not isinstance(item, list)
-            or len(item) != 3
+            or len(item) not in (3, 4)
             or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in item[:2])
             or not isinstance(item[2], bool)
             or item[1] > item[0]
+            or not (
+                len(item) == 3 or item[3] is None or _index(item[3], len(r.listing("storages")))
+            )
         ):
             raise PlanFileError(
-                f"{path} must be [bytes, offload bytes <= bytes, outside (true or false)], "
-                f"got {item!r}"
+                f"{path} must be [bytes, offload bytes <= bytes, outside (true or false), "
+                f"index of the storage it is a cast of, or null], got {item!r}"
             )
-        out.append(Storage(item[0], item[1], item[2]))
+        out.append(Storage(item[0], item[1], item[2], item[3] if len(item) == 4 else None))
     return tuple(out)
+
+
+def _index(value: object, size: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < size
 
 
 def _parts_from(r: _Reader, num_storages: int) -> tuple[PartCost, ...]:
@@ -272,6 +284,8 @@ def _profile_from(r: _Reader) -> Profile:
             recompute_ms=lr.optional_number("recompute_ms"),
             saved_bytes=lr.count("saved_bytes"),
             offload_bytes=lr.count("offload_bytes"),
+            # Absent from files written before saved casts were rebuilt.
+            recast_bytes=lr.count("recast_bytes") if "recast_bytes" in lr.data else 0,
             input_bytes=lr.count("input_bytes"),
             workspace_bytes=lr.count("workspace_bytes"),
             # Absent from files written before the host's time was measured.
@@ -281,10 +295,10 @@ def _profile_from(r: _Reader) -> Profile:
         )
         if lr.data.get("parts"):
             cost = replace(cost, parts=_parts_from(lr, len(cost.storages)))
-        if cost.offload_bytes > cost.saved_bytes:
+        if cost.offload_bytes + cost.recast_bytes > cost.saved_bytes:
             raise PlanFileError(
-                f"{lr.path}.offload_bytes ({cost.offload_bytes}) must be at most "
-                f"saved_bytes ({cost.saved_bytes})"
+                f"{lr.path}.offload_bytes + recast_bytes ({cost.offload_bytes} + "
+                f"{cost.recast_bytes}) must be at most saved_bytes ({cost.saved_bytes})"
             )
         layers.append(cost)
     return Profile(

@@ -398,17 +398,18 @@ def estimate(profile: Profile, choices: Sequence[object]) -> Estimate:
     def run_point(point: Point) -> None:
         for i in schedule.finish_at.get(point, ()):
             tl.wait_for(offload_job[i])
-            tl.free(uses[i].moved)
+            tl.free(uses[i].moved + uses[i].recast)
         for i in schedule.reload_at.get(point, ()):
             back = uses[i].moved + uses[i].copied
             tl.copies.run_until(tl.t)
-            tl.alloc(back)
+            # The recast bytes come back in the layer's backward, counted from its reload.
+            tl.alloc(back + uses[i].recast)
             reload_job[i] = tl.copies.queue("h2d", tl.t, back, 0.0)
 
     for j, (cost, use) in enumerate(zip(layers, uses, strict=True)):
         run_point(Point(True, j))
         # A recomputed layer's (or part's) saved tensors live only during its forward.
-        tl.alloc(use.resident + use.moved)
+        tl.alloc(use.resident + use.moved + use.recast)
         start, end = tl.compute(
             cost.forward_ms, use.forward_extra + cost.workspace_bytes, use.host_forward_ms
         )
@@ -439,5 +440,5 @@ def estimate(profile: Profile, choices: Sequence[object]) -> Estimate:
                 busy_ms, host_ms = busy_ms - ahead, host_ms - ahead_host
             tl.wait_beside(reload_job[j], busy_ms, use.last_share)
         tl.compute(busy_ms, cost.workspace_bytes, host_ms)
-        tl.free(use.resident + use.moved + use.copied + use.rerun_bytes)
+        tl.free(use.resident + use.moved + use.copied + use.recast + use.rerun_bytes)
     return Estimate(tl.t + profile.other_ms, profile.static_bytes + tl.peak, tl.stall)

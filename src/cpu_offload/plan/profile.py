@@ -204,6 +204,7 @@ def profile_model(
             backward_ms=0.0,
             saved_bytes=saved[j][0],
             offload_bytes=saved[j][1],
+            recast_bytes=saved[j][2],
             input_bytes=probe.input_bytes[j],
             workspace_bytes=peaks.workspace[j],
         )

@@ -181,7 +181,7 @@ def _figures(use: Use) -> tuple[float, ...]:
     # layers of the schedule alike, one no worse on all of them is never the worse choice.
     return (
         use.resident,
-        use.resident + use.moved,
+        use.resident + use.moved + use.recast,
         use.moved + use.copied,
         use.copied,
         use.forward_extra,

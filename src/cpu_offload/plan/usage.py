@@ -25,6 +25,9 @@ class Use:
     Attributes:
         resident: Bytes kept on the device from the layer's forward to its backward.
         moved: Bytes offloaded: gone between the schedule's offload and reload points.
+        recast: Bytes gone with the moved ones, rebuilt in backward from them without a
+            copy (saved casts: NOTE [Casts rebuilt from their source] in
+            ``cpu_offload/engine/recast.py``).
         copied: Bytes copied to the host and back although the device keeps them too (a
             storage an offloaded part saves and the layer keeps elsewhere): link time,
             and a second device copy from the reload to the layer's backward.
@@ -48,6 +51,7 @@ class Use:
     resident: int
     moved: int
     copied: int = 0
+    recast: int = 0
     forward_extra: int = 0
     rerun_ms: float = 0.0
     rerun_bytes: int = 0
@@ -81,8 +85,9 @@ def use_of(cost: LayerCost, choice: Choice | Parts, engaged: bool) -> Use:
     host_b = 0.0 if host is None else host.backward(choice, engaged)
     if choice is Choice.OFFLOAD:
         return Use(
-            cost.saved_bytes - cost.offload_bytes,
+            cost.saved_bytes - cost.offload_bytes - cost.recast_bytes,
             cost.offload_bytes,
+            recast=cost.recast_bytes,
             host_forward_ms=host_f,
             host_backward_ms=host_b,
             offloaded=True,
@@ -125,6 +130,9 @@ def _use_of_parts(cost: LayerCost, parts: Parts, engaged: bool) -> Use:
     movable = copies - kept
     copied = sum(storages[i].offload_bytes for i in copies & kept)
     kept |= offload - copies
+    # A saved cast whose source the engine gets too is rebuilt from it, not moved.
+    recast = {i for i in movable if storages[i].recast_of in copies}
+    movable -= recast
     moved = sum(storages[i].offload_bytes for i in movable)
     resident = sum(storages[i].nbytes for i in kept) + sum(storages[i].nbytes for i in movable)
     resident -= moved
@@ -186,6 +194,7 @@ def _use_of_parts(cost: LayerCost, parts: Parts, engaged: bool) -> Use:
         resident,
         moved,
         copied,
+        recast=sum(storages[i].nbytes for i in recast),
         forward_extra=forward_extra,
         rerun_ms=rerun_ms,
         rerun_bytes=rerun_bytes,
