@@ -6,6 +6,7 @@ the cases where a cast must be moved after all.
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from torch import nn
 
 from cpu_offload import HostTransport, offload_layers
 from cpu_offload._compat import autograd_clock
+from cpu_offload.engine.layer_state import OffloadableLayerState
 from cpu_offload.engine.recast import CastRef
 from cpu_offload.engine.tensor_group import SavedEntry, TensorGroupProcessor
 
@@ -245,6 +247,27 @@ def test_a_view_of_a_cast_is_rebuilt_several_views_are_moved():
     saved, got, state = _in_layer0(two_views)
     assert state.recast_bytes == 0
     assert all(torch.equal(g, w) for g, w in zip(got, saved, strict=True))
+
+
+def test_the_cast_is_let_go_when_the_copies_start_before_the_source():
+    state = OffloadableLayerState(None, transport=HostTransport())
+    s = _source()
+    i = state.push_tensor(s)  # softmax saves its output as it is made
+    t = s.to(torch.bfloat16)
+    j = state.push_tensor(t.view(2, 4, 64))  # the matmul after it saves a view of the cast
+    want = t.clone()
+    cast, source = weakref.ref(t), weakref.ref(s)
+    del s, t
+    state.start_offload()
+    assert state.recast_bytes == 8 * 64 * 2
+    assert cast() is None, "the engine still holds the saved cast"
+    assert source() is not None  # until its copy is waited for and it is released
+    state.release_activation_forward_gpu_memory()
+    assert source() is None
+    state.start_reload()
+    assert torch.equal(state.pop_tensor(j), want.view(2, 4, 64))
+    assert state.pop_tensor(i).dtype == torch.float32
+    state.release_all_memory()
 
 
 # -- the processor directly -------------------------------------------------------------

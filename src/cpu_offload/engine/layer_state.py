@@ -248,6 +248,12 @@ class OffloadableLayerState:
         self.transport.recycle(ready)
         if _log.debug_enabled():
             self._log_offload(plan)
+        # A saved cast is rebuilt from its source's reload: no copy reads it, so its
+        # device memory goes now (NOTE [Casts rebuilt from their source] in recast.py).
+        for entry, ref in zip(self._entries, plan.refs, strict=True):
+            if isinstance(ref, CastRef) and entry.tensor is not None:
+                entry.weak = weakref.ref(entry.tensor)
+                entry.tensor = None  # type: ignore[assignment]
 
     def _log_offload(self, plan: GroupPlan) -> None:
         for unit in plan.units:
@@ -323,6 +329,8 @@ class OffloadableLayerState:
         # The pushed entries are the last references to the offloaded device memory.
         for i in entries:
             entry = self._entries[i]
+            if entry.tensor is None:  # a saved cast, dropped when the copies started
+                continue
             if entry.tensor._version != entry.version:
                 # Changed in place while its copy ran: keep it, so backward fails as
                 # it would without offloading instead of using either version.

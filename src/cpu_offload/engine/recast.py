@@ -28,8 +28,10 @@ but rebuilt from its source ``s`` when all of these hold:
 
 Backward then reads ``s``'s reload and casts it into a tensor with ``t``'s size and
 strides (``torch.empty_strided(...).copy_(s)``, the kernel ``_to_copy`` runs), then takes
-the saved view of it. ``t``'s device memory goes when ``s``'s does, and comes back only
-when backward reads it. V1 and V2 share this (it is the engine's tensor grouping); a
+the saved view of it. The engine drops its reference to ``t`` when the layer's copies
+start (no copy reads it), so ``t``'s device memory goes then, before any release of the
+moved tensors (a deferred release holds only what the deferral budget counted), and
+comes back only when backward reads it. V1 and V2 share this (it is the engine's tensor grouping); a
 layer that is kept or recomputed is not touched.
 """
 
