@@ -6,6 +6,7 @@ import gc
 
 import pytest
 import torch
+from test_engine_recast import SoftmaxInFp32
 
 from cpu_offload import _compat, v2
 from cpu_offload.models import run_layers
@@ -35,14 +36,18 @@ def _no_graph_dies_in_a_capture():
     gc.collect()
 
 
-def _layers():
+def _layers(block: str = "linear"):
     torch.manual_seed(0)
+    if block == "softmax-fp32":  # saves a cast the engine rebuilds (engine/recast.py)
+        layers = torch.nn.ModuleList(SoftmaxInFp32(512) for _ in range(N))
+        return layers.to(DEV, torch.bfloat16)
     return torch.nn.ModuleList(torch.nn.Linear(512, 512) for _ in range(N)).to(DEV)
 
 
-def _inputs(count):
+def _inputs(count, block: str = "linear"):
     gen = torch.Generator(DEV).manual_seed(3)
-    return [torch.randn(8, 256, 512, device=DEV, generator=gen) for _ in range(count)]
+    dtype = torch.bfloat16 if block == "softmax-fp32" else torch.float32
+    return [torch.randn(8, 256, 512, device=DEV, generator=gen, dtype=dtype) for _ in range(count)]
 
 
 def _eager_reference(layers, xs):
@@ -56,16 +61,17 @@ def _eager_reference(layers, xs):
     return out
 
 
+@pytest.mark.parametrize("block", ["linear", "softmax-fp32"])
 @pytest.mark.parametrize("eligible", [True, False])
 @pytest.mark.parametrize("retain", [True, False])
-def test_torch_cuda_graph_whole_step(retain, eligible, deterministic):
+def test_torch_cuda_graph_whole_step(retain, eligible, block, deterministic):
     # eligible=False: the offloaded layers save nothing worth a copy, so their points
     # touch no stream (NOTE [A layer with nothing to move]); the capture must still end
     # with every stream it forked joined back.
     if not retain and not _compat.pinned_alloc_in_capture_supported():
         pytest.skip("capture without retained buffers needs PyTorch >= 2.11")
-    layers = _layers()
-    xs = _inputs(4)
+    layers = _layers(block)
+    xs = _inputs(4, block)
     ref = _eager_reference(layers, xs)
     size = {} if eligible else {"min_tensor_size_to_offload": 1 << 40}
     ctx, sync = v2.get_cpu_offload_context(
@@ -90,6 +96,8 @@ def test_torch_cuda_graph_whole_step(retain, eligible, deterministic):
         static_loss.backward()
     offloaded_in_capture = ctx.offload_synchronizer.transport.bytes_offloaded
     assert (offloaded_in_capture > 0) == eligible
+    recast = [state.recast_bytes for state in ctx.offload_synchronizer.layers[:K]]
+    assert all(r > 0 for r in recast) == (eligible and block == "softmax-fp32"), recast
     for x, (loss, grads) in zip(xs, ref, strict=True):
         static_x.copy_(x)
         graph.replay()
