@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from cpu_offload.plan._probe import host_probe_ms
+from cpu_offload.plan._probe import probed as _probed
 from cpu_offload.plan._rounds import HOST_NOISE, calm, calm_reference
 
 _T = TypeVar("_T")
@@ -136,9 +136,7 @@ def probed(fn: Callable[..., None], *args: Any) -> float:
     that a slow phase of the host stretches as it stretches the host's part of a step
     (NOTE [The host's pace] in ``cpu_offload/plan/_rounds.py``).
     """
-    before = host_probe_ms()
-    fn(*args)
-    return max(before, host_probe_ms())
+    return _probed(lambda: fn(*args))[1]
 
 
 class CalmTurns:

@@ -26,7 +26,7 @@ from _plan_workloads import build  # noqa: E402
 from _report import timed_as_users_train  # noqa: E402
 
 from cpu_offload import offload_layers  # noqa: E402
-from cpu_offload.plan._probe import host_probe_ms  # noqa: E402
+from cpu_offload.plan._probe import probed  # noqa: E402
 
 
 def _correlation(xs: list[float], ys: list[float]) -> float:
@@ -62,9 +62,8 @@ def main() -> None:
             one()
         end = time.time() + seconds
         while time.time() < end:
-            before = host_probe_ms()
-            w, c = zip(*(one() for _ in range(3)), strict=True)
-            probe.append(max(before, host_probe_ms()))  # as the profile takes it
+            (w, c), p = probed(lambda: tuple(zip(*(one() for _ in range(3)), strict=True)))
+            probe.append(p)  # as the profile takes it
             wall.append(statistics.median(w))
             cpu.append(statistics.median(c))
     print(f"plan {letters}, {len(probe)} turns on {torch.cuda.get_device_name()}")

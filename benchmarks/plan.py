@@ -67,7 +67,7 @@ from cpu_offload.plan import (  # noqa: E402
     single_methods,
 )
 from cpu_offload.plan._clock import WARMUP_S  # noqa: E402
-from cpu_offload.plan._probe import host_probe_ms  # noqa: E402
+from cpu_offload.plan._probe import probed  # noqa: E402
 from cpu_offload.plan._rounds import calm, calm_reference  # noqa: E402
 from cpu_offload.plan._timing import HostAndDevice  # noqa: E402
 from cpu_offload.plan.profile import measure_choices  # noqa: E402
@@ -147,16 +147,18 @@ def _alternated(  # type: ignore[no-untyped-def]
     medians: dict[str, list[float]] = {label: [] for label in configs}
     probes: dict[str, list[float]] = {label: [] for label in configs}
     peaks: dict[str, int] = {}
+
+    def run(config: Any) -> tuple[float, int | None]:
+        with config() if callable(config) else contextlib.nullcontext():
+            choices = keep if callable(config) else config
+            return measure_choices(
+                model, step, choices, steps=steps, warmup=warmup, warmup_s=warmup_s
+            )
+
     for _ in range(rounds):
         for label, config in configs.items():
-            before = host_probe_ms()
-            own = config() if callable(config) else contextlib.nullcontext()
-            with own:
-                choices = keep if callable(config) else config
-                ms, peak = measure_choices(
-                    model, step, choices, steps=steps, warmup=warmup, warmup_s=warmup_s
-                )
-            probes[label].append(max(before, host_probe_ms()))
+            (ms, peak), probe = probed(lambda config=config: run(config))
+            probes[label].append(probe)
             assert peak is not None
             _release_pinned_cache()
             medians[label].append(ms)

@@ -36,6 +36,28 @@ def every_param(param: torch.Tensor) -> bool:
     return True
 
 
+def hybrid_and_plain(
+    hybrid: Callable[..., HybridDeviceOptimizer],
+    groups: list[dict[str, Any]],
+    ref_groups: list[dict[str, Any]],
+    cls: type,
+    kwargs: dict[str, Any],
+    fraction: float,
+    overlap: bool,
+) -> tuple[HybridDeviceOptimizer, torch.optim.Optimizer]:
+    """The pair the numerics tests compare: ``hybrid`` over ``groups`` with ``cls`` on
+    both sides, and the plain ``cls`` over ``ref_groups``, with the same ``kwargs``."""
+    opt = hybrid(
+        groups,
+        offload_fraction=fraction,
+        cpu_optimizer_cls=cls,
+        gpu_optimizer_cls=cls,
+        overlap_cpu_optimizer_d2h_h2d=overlap,
+        **kwargs,
+    )
+    return opt, cls(ref_groups, **kwargs)
+
+
 def small_model(dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Sequential:
     torch.manual_seed(seed)
     model = torch.nn.Sequential(

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import torch
 from helpers import fail_on_call
+from optim_helpers import hybrid_and_plain
 
 from cpu_offload.optim import HybridDeviceOptimizer, optimizer_device_state_bytes
 
@@ -105,15 +106,15 @@ def test_close_to_gpu_only_optimizer(
     cls: type, kwargs: dict[str, Any], fraction: float, overlap: bool, two_groups: bool, steps: int
 ) -> None:
     model, ref = _model(), _model()
-    opt = HybridDeviceOptimizer(
+    opt, plain = hybrid_and_plain(
+        HybridDeviceOptimizer,
         _groups(model, two_groups),
-        offload_fraction=fraction,
-        cpu_optimizer_cls=cls,
-        gpu_optimizer_cls=cls,
-        overlap_cpu_optimizer_d2h_h2d=overlap,
-        **kwargs,
+        _groups(ref, two_groups),
+        cls,
+        kwargs,
+        fraction,
+        overlap,
     )
-    plain = cls(_groups(ref, two_groups), **kwargs)
     losses = _train(model, opt, steps)
     ref_losses = _train(ref, plain, steps)
     _close(model, ref)

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from optim_helpers import ADAMW, SGD
+from optim_helpers import ADAMW, SGD, hybrid_and_plain
 from optim_helpers import CpuAsDevice as _CpuAsDevice
 from optim_helpers import param_groups as _groups
 from optim_helpers import same_params as _same
@@ -35,15 +35,15 @@ def test_matches_plain_optimizer(
     fraction: float, overlap: bool, two_groups: bool, cls: type, kwargs: dict[str, Any]
 ) -> None:
     model, ref = _model(), _model()
-    opt = _CpuAsDevice(
+    opt, plain = hybrid_and_plain(
+        _CpuAsDevice,
         _groups(model, two_groups),
-        offload_fraction=fraction,
-        cpu_optimizer_cls=cls,
-        gpu_optimizer_cls=cls,
-        overlap_cpu_optimizer_d2h_h2d=overlap,
-        **kwargs,
+        _groups(ref, two_groups),
+        cls,
+        kwargs,
+        fraction,
+        overlap,
     )
-    plain = cls(_groups(ref, two_groups), **kwargs)
     _train(model, opt, 3)
     _train(ref, plain, 3)
     assert _same(model, ref)

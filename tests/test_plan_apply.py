@@ -467,6 +467,17 @@ def test_the_host_probe_reads_each_configuration_calm_or_slow() -> None:
     assert quiet_rounds(5.0, [float("nan")] * 2) == [0, 1]
 
 
+def test_probed_gives_the_result_and_the_slower_probe(monkeypatch) -> None:
+    from cpu_offload.plan import _probe
+
+    readings = iter([4.0, 6.0, 9.0, 3.0])
+    monkeypatch.setattr(_probe, "host_probe_ms", lambda: next(readings))
+    ran: list[int] = []
+    assert _probe.probed(lambda: ran.append(1) or "done") == ("done", 6.0)
+    assert _probe.probed(lambda: 7) == (7, 9.0)  # the slower one, before or after
+    assert ran == [1]
+
+
 def test_profile_step_that_skips_layers() -> None:
     model = _encoder()
     x = _batches()[0]

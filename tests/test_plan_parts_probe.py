@@ -89,7 +89,7 @@ def test_what_a_part_saves_is_what_autograd_saves_inside_it() -> None:
         module = model[0].get_submodule(part.name)
         saved = _saved_inside(module, model, x)
         weights = {p.untyped_storage()._cdata for p in model.parameters()}
-        storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in saved}
+        storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in saved.tensors}
         storages = {k: v for k, v in storages.items() if k not in weights}
         assert sum(layer.storages[i].nbytes for i in part.saved) == sum(storages.values())
         assert part.forward_ms > 0 and part.host_ms > 0

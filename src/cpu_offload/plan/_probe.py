@@ -15,7 +15,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -32,10 +32,13 @@ __all__ = [
     "host_probe_ms",
     "median_times",
     "plain_step_ms",
+    "probed",
     "scaled_times",
     "sleep_cycles",
     "timed_step",
 ]
+
+_T = TypeVar("_T")
 
 # NOTE [Memory peaks in a step of their own]
 # A layer's temporary memory (the peak of its forward above what it leaves allocated, of
@@ -431,6 +434,14 @@ def host_probe_ms(ops: int = 2000) -> float:
     for _ in range(ops):
         value = value + 1.0
     return (time.perf_counter() - start) * 1e3
+
+
+def probed(work: Callable[[], _T]) -> tuple[_T, float]:
+    """Run ``work()``; its result, and the slower of :func:`host_probe_ms` just before
+    and just after it: how fast the host ran while it did (NOTE [The host's pace])."""
+    before = host_probe_ms()
+    result = work()
+    return result, max(before, host_probe_ms())
 
 
 def sleep_cycles(host_ms: Sequence[float], margin_ms: float = 0.5) -> list[int]:

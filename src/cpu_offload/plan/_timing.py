@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import functools
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -22,9 +23,9 @@ from ._parts_host import part_probes, with_part_host
 from ._probe import (
     Clock,
     StepTimes,
-    host_probe_ms,
     median_times,
     plain_step_ms,
+    probed,
     scaled_times,
     sleep_cycles,
     timed_step,
@@ -175,9 +176,9 @@ class HostAndDevice(Together):
         for _ in range(self.ROUNDS):
             plain.append(plain_step_ms(self.step, self.clock, self.steps))
             for name, kwargs in configs.items():
-                before = host_probe_ms()
-                out[name].append(self._under(self.steps, **kwargs))
-                probes[name].append(max(before, host_probe_ms()))
+                times, probe = probed(functools.partial(self._under, self.steps, **kwargs))
+                out[name].append(times)
+                probes[name].append(probe)
         return out, plain, probes
 
     def profile(self, base: Profile, costs: list[LayerCost], recompute: bool) -> Profile:
