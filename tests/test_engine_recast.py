@@ -11,6 +11,7 @@ import weakref
 import pytest
 import torch
 from helpers import assert_bit_equal, step, v2_context
+from test_engine_tensor_group import _Probe  # saves tensors, records what comes back
 from torch import nn
 
 from cpu_offload import HostTransport, offload_layers
@@ -130,21 +131,6 @@ def test_transformers_eager_attention_bit_identical(monkeypatch):
 # -- when a cast is moved after all ------------------------------------------------------
 
 
-class _Save(torch.autograd.Function):
-    """Saves the given tensors; its backward records what autograd hands back."""
-
-    @staticmethod
-    def forward(ctx, x, record, *tensors):
-        ctx.save_for_backward(*tensors)
-        ctx.record = record
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.record.extend(ctx.saved_tensors)
-        return (grad, None) + (None,) * len(ctx.saved_tensors)
-
-
 def _in_layer0(make, k: int = 1) -> tuple[list[torch.Tensor], list[torch.Tensor], object]:
     """Run ``make()`` (returns the tensors to save) inside layer 0 of 3, save them there,
     run backward. Returns (what was saved, what backward got, layer 0's state)."""
@@ -154,7 +140,7 @@ def _in_layer0(make, k: int = 1) -> tuple[list[torch.Tensor], list[torch.Tensor]
     with ctx:
         tensors = make()
         saved = [t.detach().clone() for t in tensors]
-        y = _Save.apply(x, record, *tensors)
+        y = _Probe.apply(x, record, *tensors)
     y = sync(y)
     for _ in range(2):
         with ctx:
@@ -216,7 +202,7 @@ def test_source_changed_in_place_after_saving_still_fails_backward():
     with ctx:
         s = _source()
         t = s.to(torch.bfloat16)
-        y = _Save.apply(x, [], s, t)
+        y = _Probe.apply(x, [], s, t)
         with torch.no_grad():
             s.mul_(2.0)
     y = sync(y)
