@@ -14,7 +14,7 @@ from helpers import assert_bit_equal, step, v2_context
 from test_engine_tensor_group import _Probe  # saves tensors, records what comes back
 from torch import nn
 
-from cpu_offload import HostTransport, offload_layers
+from cpu_offload import HostTransport, mark_activation_offload, offload_layers, start_offload, v1
 from cpu_offload._compat import autograd_clock
 from cpu_offload.engine.layer_state import OffloadableLayerState
 from cpu_offload.engine.recast import CastRef
@@ -70,15 +70,29 @@ def test_probabilities_are_cast_again_not_moved_and_bit_identical():
     assert ctx.offload_synchronizer.transport.bytes_offloaded == 2 * moved
 
 
-def test_v1_marks_take_the_same_path():
-    layers = _layers()
-    want = step(layers, _input)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        with offload_layers(layers, num_offloaded=2, transport=HostTransport()) as handle:
-            got = step(layers, _input, None, None)
-    assert_bit_equal(got, want)
-    assert handle.offloaded == (0, 1)
+def test_v1_rebuilds_a_marked_cast_of_a_marked_source():
+    # V1 moves marked tensors only: a cast is rebuilt where it and its source are marked
+    # and the source was saved before the cast was made.
+    ctx, sync = v1.get_cpu_offload_context(True, 1, 3, True, False, False)
+    x = torch.randn(4, requires_grad=True)
+    record: list[torch.Tensor] = []
+    with ctx:
+        s = torch.randn(8, 64, requires_grad=True) * 3.0
+        mark_activation_offload(s)
+        y = _Probe.apply(x, [], s)
+        t = s.to(torch.bfloat16)
+        mark_activation_offload(t)
+        want = t.detach().clone()
+        y = _Probe.apply(y, record, t)
+    y = sync(y)
+    for _ in range(2):
+        with ctx:
+            y = y * 2.0
+        y = sync(y)
+    group = ctx.offload_handler.groups[0]
+    y.sum().backward()
+    assert group.recast_bytes == 8 * 64 * 2
+    assert torch.equal(record[0], want)
 
 
 def _llama_eager(layers: int = 3) -> nn.Module:
@@ -254,6 +268,103 @@ def test_the_cast_is_let_go_when_the_copies_start_before_the_source():
     assert torch.equal(state.pop_tensor(j), want.view(2, 4, 64))
     assert state.pop_tensor(i).dtype == torch.float32
     state.release_all_memory()
+
+
+def test_a_source_finished_late_is_never_used():
+    # start_offload(s) says s was written after it was saved, maybe behind its version
+    # counter (.data): the cast made before that write must be moved, not rebuilt.
+    ctx, sync = v2_context(k=1, n=3)
+    x = torch.randn(4, requires_grad=True)
+    record: list[torch.Tensor] = []
+    with ctx:
+        s = _source()  # saved by softmax here
+        t = s.to(torch.bfloat16)
+        want = t.detach().clone()
+        s.data.mul_(0.5)
+        start_offload(s)
+        y = _Probe.apply(x, record, t)
+    y = sync(y)
+    for _ in range(2):
+        with ctx:
+            y = y * 2.0
+        y = sync(y)
+    state = ctx.offload_synchronizer.layers[0]
+    y.sum().backward()
+    assert state.recast_bytes == 0
+    assert torch.equal(record[0], want)
+
+
+def _pushed_cast(budget: int = 0, saves: int = 1):  # type: ignore[no-untyped-def]
+    state = OffloadableLayerState(None, transport=HostTransport())
+    state.keep_budget = budget
+    s = _source()
+    i = state.push_tensor(s)
+    t = s.to(torch.bfloat16)
+    js = [state.push_tensor(t) for _ in range(saves)]
+    return state, s, t.detach().clone(), i, js
+
+
+def test_a_cast_saved_twice_comes_back_as_one_tensor():
+    state, s, want, i, (j, k) = _pushed_cast(saves=2)
+    del s
+    state.start_offload()
+    state.release_activation_forward_gpu_memory()
+    state.start_reload()
+    first, second = state.pop_tensor(j), state.pop_tensor(k)
+    assert first is second and torch.equal(first, want)
+    state.pop_tensor(i)
+    state.release_all_memory()
+
+
+def test_a_source_changed_after_saving_fails_the_read_of_its_cast():
+    # The source stays on the device (a budget keeps it) and changes after the layer:
+    # rebuilding the cast from it would give other values than autograd saved.
+    state, s, _, _, (j,) = _pushed_cast(budget=1 << 30)
+    state.start_offload()
+    assert state.budget_kept_bytes > 0
+    with torch.no_grad():
+        s.mul_(2.0)
+    state.release_activation_forward_gpu_memory()
+    state.start_reload()
+    with pytest.raises(RuntimeError, match="rebuilds a saved cast of it"):
+        state.pop_tensor(j)
+    state.release_all_memory()
+
+
+class _TwoOut(torch.autograd.Function):
+    """Two outputs saved by their own backward: the cast must follow output 1."""
+
+    @staticmethod
+    def forward(ctx, a):
+        first, second = a * 2.0, a * 3.0
+        ctx.save_for_backward(first, second)
+        return first, second
+
+    @staticmethod
+    def backward(ctx, g1, g2):
+        first, second = ctx.saved_tensors
+        return g1 * first + g2 * second
+
+
+@pytest.mark.parametrize(
+    ("make", "keep"),
+    [
+        # the cast follows output 1 of a node with two saved outputs; a view at an offset
+        pytest.param(lambda a: _TwoOut.apply(a)[1], lambda t: t[8:], id="second-output"),
+        # a dense source with permuted strides (exp saves it): the cast keeps them
+        pytest.param(lambda a: (a * 3.0).t().exp(), lambda t: t, id="permuted"),
+        pytest.param(lambda a: torch.softmax(a * 3.0, -1), lambda t: t[8:], id="offset-view"),
+    ],
+)
+def test_casts_of_other_outputs_and_layouts_come_back_exactly(make, keep):
+    def tensors():
+        source = make(torch.randn(64, 64, requires_grad=True))
+        return [keep(source.to(torch.bfloat16))]
+
+    saved, got, state = _in_layer0(tensors)
+    assert state.recast_bytes == 64 * 64 * 2
+    assert torch.equal(got[0], saved[0])
+    assert got[0].stride() == saved[0].stride()
 
 
 # -- the processor directly -------------------------------------------------------------

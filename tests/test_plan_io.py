@@ -245,8 +245,12 @@ def test_a_file_written_before_parts_were_profiled_loads_without_them() -> None:
         ),
         (
             lambda d: d["profile"]["layers"][0]["storages"].__setitem__(2, [50, 50, False, 3]),
-            r"plan.profile.layers\[0\].storages\[2\] must be .*index of the storage it is a "
-            r"cast of, or null\], got \[50, 50, False, 3\]",
+            r"plan.profile.layers\[0\].storages\[2\] must be .*index of another storage it is "
+            r"a cast of, or null\], got \[50, 50, False, 3\]",
+        ),
+        (
+            lambda d: d["profile"]["layers"][0]["storages"].__setitem__(2, [50, 50, False, 2]),
+            r"plan.profile.layers\[0\].storages\[2\] must be .*got \[50, 50, False, 2\]",
         ),
         (
             lambda d: d["profile"]["layers"][0]["parts"][0].update(saved=[5]),

@@ -40,8 +40,13 @@ def test_the_model_spends_no_link_time_on_casts_and_frees_them_all_the_same() ->
     link = Link(1e-6, 1e-6)  # 1 byte per ms each way
     rebuilt = estimate(Profile((WHOLE,) * 4, link), [OFF, OFF, K, K])
     moving = estimate(Profile((MOVING,) * 4, link), [OFF, OFF, K, K])
-    assert rebuilt.peak_bytes == moving.peak_bytes
+    # The casts go when the copies are queued, before the moved bytes' release.
+    assert rebuilt.peak_bytes <= moving.peak_bytes
     assert rebuilt.step_ms < moving.step_ms
+    # Kept, the casts count in full: nothing is rebuilt.
+    assert estimate(Profile((WHOLE,) * 4, link), [K] * 4).peak_bytes == (
+        estimate(Profile((MOVING,) * 4, link), [K] * 4).peak_bytes
+    )
 
 
 def _parts_layer() -> LayerCost:
@@ -87,7 +92,7 @@ def test_compare_simulation_frees_casts_and_save_on_cpu_still_copies_them() -> N
     for variant in ("v2", "v1-sync", "v1-async"):
         a = simulate([rebuilt] * 4, variant, 2, 1e-6)
         b = simulate([moving] * 4, variant, 2, 1e-6)
-        assert a.peak_bytes == b.peak_bytes and a.step_ms < b.step_ms, variant
+        assert a.peak_bytes <= b.peak_bytes and a.step_ms < b.step_ms, variant
     a = simulate([rebuilt] * 4, "save_on_cpu", 2, 1e-6)
     b = simulate([moving] * 4, "save_on_cpu", 2, 1e-6)
     assert (a.peak_bytes, a.step_ms) == (b.peak_bytes, b.step_ms)

@@ -90,17 +90,22 @@ class SavedLog:
     def __init__(self) -> None:
         self.tensors: list[torch.Tensor] = []
         self.clocks: list[int] = []
+        self.versions: list[int] = []
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
         self.tensors.append(tensor)
         self.clocks.append(autograd_clock())
+        self.versions.append(tensor._version)
         return tensor
 
     def entries(self, policy: ActivationPolicy) -> list[SavedEntry]:
-        """The saved tensors ``policy`` selects, as the engine records them."""
+        """The saved tensors ``policy`` selects, as the engine records them; one changed
+        in place since it was saved is kept as the engine keeps it."""
         return [
-            SavedEntry(t, None, i, version=t._version, clock=c)
-            for i, (t, c) in enumerate(zip(self.tensors, self.clocks, strict=True))
+            SavedEntry(t, None, i, version=v, keep=t._version != v, clock=c)
+            for i, (t, c, v) in enumerate(
+                zip(self.tensors, self.clocks, self.versions, strict=True)
+            )
             if policy(t)
         ]
 

@@ -233,7 +233,7 @@ def _per_layer(
     def finish(point: tuple[bool, int]) -> None:
         for i in finish_at.get(point, ()):
             sim.wait_until(offload_end[i], f"wait offload L{i}")
-            sim.free(p[i].released_bytes)
+            sim.free(p[i].offload_bytes)
 
     for j in range(n):
         finish((True, j))
@@ -248,10 +248,11 @@ def _per_layer(
             d2h_free = offload_end[j]
             if not duplex:
                 h2d_free = d2h_free
+            sim.free(p[j].recast_bytes)  # let go when the copies are queued
     for j in reversed(range(n)):
         finish((False, j))
         for i in reload_at.get(j, ()):
-            sim.alloc(p[i].released_bytes)
+            sim.alloc(p[i].offload_bytes)
             reload_start[i] = max(h2d_free, sim.t)
             reload_end[i] = sim.copy("reload", f"L{i}", h2d_free, sim.t, p[i].offload_bytes)
             h2d_free = reload_end[i]
@@ -265,6 +266,7 @@ def _per_layer(
             continue
         if j in offloaded:
             _wait_beside(sim, p[j], reload_start[j], reload_end[j], f"wait reload L{j}")
+            sim.alloc(p[j].recast_bytes)  # cast again as its backward reads it
         sim.compute(f"B{j}", p[j].backward_ms)
         sim.free(p[j].saved_bytes)
 
@@ -292,12 +294,13 @@ def _v1_async(sim: _Sim, p: list[LayerProfile], k: int) -> None:
         if j < k:
             offload_end[j] = sim.copy("offload", f"L{j}", d2h_free, start, p[j].offload_bytes, end)
             d2h_free = offload_end[j]
+            sim.free(p[j].recast_bytes)  # let go when the copies are queued
         for group in release_at.get(j, ()):
             sim.wait_until(offload_end[group], f"wait offload L{group}")
-            sim.free(p[group].released_bytes)
+            sim.free(p[group].offload_bytes)
     for j in reversed(range(n)):
         for group in sorted(release_at.get(j, ()), reverse=True):
-            sim.alloc(p[group].released_bytes)
+            sim.alloc(p[group].offload_bytes)
             reload_start[group] = max(h2d_free, sim.t)
             reload_end[group] = sim.copy(
                 "reload", f"L{group}", h2d_free, sim.t, p[group].offload_bytes
@@ -305,5 +308,6 @@ def _v1_async(sim: _Sim, p: list[LayerProfile], k: int) -> None:
             h2d_free = reload_end[group]
         if j < k:
             _wait_beside(sim, p[j], reload_start[j], reload_end[j], f"wait reload L{j}")
+            sim.alloc(p[j].recast_bytes)  # cast again as its backward reads it
         sim.compute(f"B{j}", p[j].backward_ms)
         sim.free(p[j].saved_bytes)

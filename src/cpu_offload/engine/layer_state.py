@@ -181,6 +181,9 @@ class OffloadableLayerState:
                     self._seq += 1
                 entry.ready, entry.seq = event, self._seq
                 entry.force_base |= offload_base_tensor
+                # Finished after it was saved, maybe behind the version counter: never
+                # a cast's source, nor a cast (NOTE [Casts rebuilt from their source]).
+                entry.clock = -1
 
     def start_offload(self) -> None:
         """Group the pushed tensors and queue their copies to the host.
@@ -430,6 +433,9 @@ class OffloadableLayerState:
         plan = self._plan
         assert plan is not None
         ref = plan.refs[tensor_or_id]
+        if isinstance(ref, CastRef):
+            for k in ref.source_entries:
+                self._check_source_version(k)
         unit_ids = plan.unit_ids(ref)
         stream = self.transport.current_stream() if unit_ids else None
         for u in unit_ids:
@@ -477,6 +483,18 @@ class OffloadableLayerState:
                 f"an inplace operation: a tensor of shape {tuple(original.shape)} saved for "
                 f"backward in {self.name} is at version {original._version}; expected version "
                 f"{entry.version} instead (PyTorch raises this without offloading too)"
+            )
+
+    def _check_source_version(self, index: int) -> None:
+        entry = self._entries[index]
+        original = entry.tensor if entry.tensor is not None else (entry.weak and entry.weak())
+        if original is not None and original._version != entry.version:
+            raise RuntimeError(
+                f"a saved tensor of shape {tuple(original.shape)} in {self.name} was modified "
+                f"by an inplace operation after it was saved (version {original._version}; "
+                f"expected {entry.version}), and backward rebuilds a saved cast of it from it "
+                "(NOTE [Casts rebuilt from their source] in cpu_offload/engine/recast.py). "
+                "Leave it unchanged until backward, or mark_not_offload(tensor) before saving"
             )
 
     def wait_for_reloads(self) -> None:

@@ -26,19 +26,29 @@ but rebuilt from its source ``s`` when all of these hold:
   check, ``s`` changed under ``torch.no_grad()`` between the cast and its saving would
   go unnoticed.
 
-Backward then reads ``s``'s reload and casts it into a tensor with ``t``'s size and
+* neither was marked with ``start_offload`` (finished after saving, maybe by a write the
+  version counter does not see). Other writes that bypass the version counter (``.data``,
+  a raw pointer) between the cast and the layer's end are not seen: mark such a tensor
+  with ``start_offload`` or ``mark_not_offload``.
+
+With attention dropout the product with v saves the dropout's output, not the cast: nothing
+is rebuilt there. Backward then reads ``s``'s reload and casts it into a tensor with ``t``'s size and
 strides (``torch.empty_strided(...).copy_(s)``, the kernel ``_to_copy`` runs), then takes
 the saved view of it. The engine drops its reference to ``t`` when the layer's copies
 start (no copy reads it), so ``t``'s device memory goes then, before any release of the
 moved tensors (a deferred release holds only what the deferral budget counted), and
-comes back only when backward reads it. V1 and V2 share this (it is the engine's tensor grouping); a
-layer that is kept or recomputed is not touched.
+comes back only when backward reads it; a cast saved twice is rebuilt once for both. Each read of the
+cast checks that ``s`` is still at its saved version, so a ``s`` changed after the
+layer's copies started (kept on the device by a byte budget, say) fails loudly instead of
+giving other values. V1 and V2 share this (it is the engine's tensor grouping), but V1
+moves only marked tensors: there the cast and its source must both be marked. A layer
+that is kept or recomputed is not touched.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -57,13 +67,35 @@ class CastRef:
     size: tuple[int, ...]
     stride: tuple[int, ...]
     view: tuple[tuple[int, ...], tuple[int, ...], int] | None
+    #: The pushed entries of the source: a read of the cast checks their versions.
+    source_entries: tuple[int, ...]
+    #: How many pushed entries are this cast (saved twice: one rebuild serves both).
+    saves: int
+    held: _Held = field(default_factory=lambda: _Held(), compare=False)
 
-    def rebuild(self, source: torch.Tensor) -> torch.Tensor:
-        """The cast of ``source`` with the saved cast's size and strides (the kernel
-        ``tensor.to(dtype)`` runs, so the same bits), or the saved view of it."""
-        out = torch.empty_strided(self.size, self.stride, dtype=self.dtype, device=source.device)
-        out.copy_(source)
-        return out if self.view is None else out.as_strided(*self.view)
+    def read(self, source: Callable[[], torch.Tensor], stream: Hashable) -> torch.Tensor:
+        """The cast (or its saved view) for a read on ``stream``: rebuilt from
+        ``source()`` into the saved cast's size and strides (the kernel
+        ``tensor.to(dtype)`` runs, so the same bits), and held for the cast's other
+        saves read on the same stream, until each was read once."""
+        held = self.held
+        base = held.tensor if held.stream == stream else None
+        if base is None:
+            src = source()
+            base = torch.empty_strided(self.size, self.stride, dtype=self.dtype, device=src.device)
+            base.copy_(src)
+            held.tensor, held.stream, held.reads = base, stream, self.saves
+        held.reads -= 1
+        if held.reads <= 0:
+            held.tensor = None
+        return base if self.view is None else base.as_strided(*self.view)
+
+
+@dataclass(slots=True)
+class _Held:
+    tensor: torch.Tensor | None = None
+    stream: Hashable = None
+    reads: int = 0
 
 
 def find_casts(

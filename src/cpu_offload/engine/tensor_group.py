@@ -26,6 +26,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -295,6 +296,10 @@ class TensorGroupProcessor:
                     leaf_refs[members[0]] = _UnitRef(self._add_unit(plan, leaf.tensor, leaf), None)
                     continue
             leaf_refs.update(self._plan_root(root, members, leaves, plan, keep_view_bases))
+        pushed: dict[int, list[int]] = {}  # leaf -> the pushed entries that are it
+        for e, tpl in enumerate(templates):
+            if isinstance(tpl, int):
+                pushed.setdefault(alias[tpl], []).append(e)
         for root_key, source in casts.items():  # in saving order: a source comes first
             root, (i,) = roots[root_key]
             t = leaves[i].tensor
@@ -302,7 +307,13 @@ class TensorGroupProcessor:
             if leaves[i].key != root_key:
                 view = (tuple(t.shape), t.stride(), int(t.storage_offset() - root.storage_offset()))
             leaf_refs[i] = CastRef(
-                leaf_refs[source], root.dtype, tuple(root.shape), root.stride(), view
+                leaf_refs[source],
+                root.dtype,
+                tuple(root.shape),
+                root.stride(),
+                view,
+                tuple(pushed[source]),
+                len(pushed[i]),
             )
             plan.recast_bytes += root.numel() * root.element_size()
 
@@ -329,6 +340,7 @@ class TensorGroupProcessor:
             key
             for key, (root, members) in roots.items()
             if len(members) == 1
+            and leaves[members[0]].clock >= 0  # not marked by start_offload
             and leaves[members[0]].tensor.dtype == root.dtype
             and leaves[members[0]].tensor.numel() >= _BASE_COVERAGE * root.numel()
         ]
@@ -456,7 +468,8 @@ class TensorGroupProcessor:
         if isinstance(ref, _KeptRef):
             return ref.tensor
         if isinstance(ref, CastRef):
-            return ref.rebuild(TensorGroupProcessor.restore(plan, ref.source, stream))  # type: ignore[arg-type]
+            source: Any = ref.source
+            return ref.read(lambda: TensorGroupProcessor.restore(plan, source, stream), stream)
         if isinstance(ref, _SubclassRef):
             inner = {n: TensorGroupProcessor.restore(plan, r, stream) for n, r in ref.inner.items()}
             return ref.cls.__tensor_unflatten__(inner, ref.ctx, ref.size, ref.stride)  # type: ignore[attr-defined]

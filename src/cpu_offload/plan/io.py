@@ -204,12 +204,14 @@ def _storages_from(r: _Reader) -> tuple[Storage, ...]:
             or not isinstance(item[2], bool)
             or item[1] > item[0]
             or not (
-                len(item) == 3 or item[3] is None or _index(item[3], len(r.listing("storages")))
+                len(item) == 3
+                or item[3] is None
+                or (_index(item[3], len(r.listing("storages"))) and item[3] != k)
             )
         ):
             raise PlanFileError(
                 f"{path} must be [bytes, offload bytes <= bytes, outside (true or false), "
-                f"index of the storage it is a cast of, or null], got {item!r}"
+                f"index of another storage it is a cast of, or null], got {item!r}"
             )
         out.append(Storage(item[0], item[1], item[2], item[3] if len(item) == 4 else None))
     return tuple(out)

@@ -398,12 +398,11 @@ def estimate(profile: Profile, choices: Sequence[object]) -> Estimate:
     def run_point(point: Point) -> None:
         for i in schedule.finish_at.get(point, ()):
             tl.wait_for(offload_job[i])
-            tl.free(uses[i].moved + uses[i].recast)
+            tl.free(uses[i].moved)
         for i in schedule.reload_at.get(point, ()):
             back = uses[i].moved + uses[i].copied
             tl.copies.run_until(tl.t)
-            # The recast bytes come back in the layer's backward, counted from its reload.
-            tl.alloc(back + uses[i].recast)
+            tl.alloc(back)
             reload_job[i] = tl.copies.queue("h2d", tl.t, back, 0.0)
 
     for j, (cost, use) in enumerate(zip(layers, uses, strict=True)):
@@ -420,6 +419,9 @@ def estimate(profile: Profile, choices: Sequence[object]) -> Estimate:
             queued = max(start, tl.host)
             tl.copies.run_until(queued)
             offload_job[j] = tl.copies.queue("d2h", queued, use.moved + use.copied, end)
+            # Its saved casts go when its copies are queued, and are cast again in its
+            # backward (NOTE [Casts rebuilt from their source] in engine/recast.py).
+            tl.free(use.recast)
     # The head and the loss run on what the layers hold at the end of the forward.
     tl.alloc(profile.head_bytes)
     tl.compute(profile.head_ms, 0, profile.head_host_ms)
@@ -427,7 +429,7 @@ def estimate(profile: Profile, choices: Sequence[object]) -> Estimate:
     for j in reversed(range(n)):
         cost, use = layers[j], uses[j]
         run_point(Point(False, j))
-        tl.alloc(use.rerun_bytes)
+        tl.alloc(use.rerun_bytes + use.recast)
         busy_ms, host_ms = use.rerun_ms + cost.backward_ms, use.host_backward_ms
         if use.offloaded:
             # The backward runs until it needs its first offloaded tensor, which comes
