@@ -84,13 +84,8 @@ def test_v1_rebuilds_a_marked_cast_of_a_marked_source():
         mark_activation_offload(t)
         want = t.detach().clone()
         y = _Probe.apply(y, record, t)
-    y = sync(y)
-    for _ in range(2):
-        with ctx:
-            y = y * 2.0
-        y = sync(y)
+    _rest_and_backward(ctx, sync, y)
     group = ctx.offload_handler.groups[0]
-    y.sum().backward()
     assert group.recast_bytes == 8 * 64 * 2
     assert torch.equal(record[0], want)
 
@@ -145,6 +140,16 @@ def test_transformers_eager_attention_bit_identical(monkeypatch):
 # -- when a cast is moved after all ------------------------------------------------------
 
 
+def _rest_and_backward(ctx, sync, y: torch.Tensor) -> None:  # type: ignore[no-untyped-def]
+    """After layer 0's ``with`` block: its sync, layers 1 and 2 of 3, and backward."""
+    y = sync(y)
+    for _ in range(2):
+        with ctx:
+            y = y * 2.0
+        y = sync(y)
+    y.sum().backward()
+
+
 def _in_layer0(make, k: int = 1) -> tuple[list[torch.Tensor], list[torch.Tensor], object]:
     """Run ``make()`` (returns the tensors to save) inside layer 0 of 3, save them there,
     run backward. Returns (what was saved, what backward got, layer 0's state)."""
@@ -155,12 +160,7 @@ def _in_layer0(make, k: int = 1) -> tuple[list[torch.Tensor], list[torch.Tensor]
         tensors = make()
         saved = [t.detach().clone() for t in tensors]
         y = _Probe.apply(x, record, *tensors)
-    y = sync(y)
-    for _ in range(2):
-        with ctx:
-            y = y * 2.0
-        y = sync(y)
-    y.sum().backward()
+    _rest_and_backward(ctx, sync, y)
     return saved, record, ctx.offload_synchronizer.layers[0]
 
 
@@ -219,13 +219,8 @@ def test_source_changed_in_place_after_saving_still_fails_backward():
         y = _Probe.apply(x, [], s, t)
         with torch.no_grad():
             s.mul_(2.0)
-    y = sync(y)
-    for _ in range(2):
-        with ctx:
-            y = y * 2.0
-        y = sync(y)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        y.sum().backward()
+        _rest_and_backward(ctx, sync, y)
 
 
 def test_a_view_of_a_cast_is_rebuilt_several_views_are_moved():
@@ -283,13 +278,8 @@ def test_a_source_finished_late_is_never_used():
         s.data.mul_(0.5)
         start_offload(s)
         y = _Probe.apply(x, record, t)
-    y = sync(y)
-    for _ in range(2):
-        with ctx:
-            y = y * 2.0
-        y = sync(y)
+    _rest_and_backward(ctx, sync, y)
     state = ctx.offload_synchronizer.layers[0]
-    y.sum().backward()
     assert state.recast_bytes == 0
     assert torch.equal(record[0], want)
 
