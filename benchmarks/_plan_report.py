@@ -8,6 +8,8 @@ import statistics
 
 import torch
 
+from cpu_offload.plan.search import LETTERS
+
 __all__ = ["markdown", "pace_text", "whole_letters"]
 
 
@@ -21,8 +23,8 @@ def pace_text(factor: float | None, scale: float | None = None) -> str:
 
 
 def whole_letters(choices: tuple) -> str:  # type: ignore[type-arg]
-    """``K``/``O``/``R`` per layer of a whole-layer plan."""
-    return "".join(c.value[0].upper() for c in choices)
+    """``K``/``O``/``R``/``C`` per layer of a whole-layer plan."""
+    return "".join(LETTERS[c] for c in choices)
 
 
 def _parts_text(parts: dict[str, dict[str, str]]) -> str:

@@ -26,7 +26,8 @@ def profile_of(result: dict[str, Any]) -> Profile:
     raw = json.loads(json.dumps(result["profile"]))
     for layer in raw["layers"]:
         layer["storages"] = [
-            [s["nbytes"], s["offload_bytes"], s["outside"]] for s in layer["storages"]
+            [s["nbytes"], s["offload_bytes"], s["outside"], s.get("recast_of")]
+            for s in layer["storages"]
         ]
     return _profile_from(_Reader(raw, "profile"))
 

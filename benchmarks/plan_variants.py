@@ -41,7 +41,7 @@ from cpu_offload.plan.costs import offload_layers_arguments  # noqa: E402
 from cpu_offload.plan.io import _profile_to_dict  # noqa: E402
 from cpu_offload.plan.model import check_choices  # noqa: E402
 
-LETTERS = {"K": Choice.KEEP, "O": Choice.OFFLOAD, "R": Choice.RECOMPUTE}
+LETTERS = {"K": Choice.KEEP, "O": Choice.OFFLOAD, "R": Choice.RECOMPUTE, "C": Choice.RECAST}
 DEFAULT_PLANS = (
     "KKKKKKKKKKKK,ORRORRRKKRRR,KRRKRRRKKRRR,RRRRRRRKKRRR,"
     "RRRRRRRRRRRR,OKKOKKKKKKKK,OOKKKKKKKKKK,ORRORRRRRRRR"
@@ -50,15 +50,15 @@ DEFAULT_PLANS = (
 
 def _choices(plan: str, n: int) -> list[Choice]:
     if len(plan) != n or set(plan) - set(LETTERS):
-        raise SystemExit(f"--plans: {plan!r} is not {n} letters of K, O and R")
+        raise SystemExit(f"--plans: {plan!r} is not {n} letters of K, O, R and C")
     return [LETTERS[c] for c in plan]
 
 
 def _trace(
     model: torch.nn.Module, step: Callable[[], torch.Tensor], plan: str, n: int, out: Path
 ) -> None:
-    offloaded, recomputed, parts = offload_layers_arguments(check_choices(_choices(plan, n), n))
-    with offload_layers(model, offloaded=offloaded, recomputed=recomputed, parts=parts):
+    arguments = offload_layers_arguments(check_choices(_choices(plan, n), n))
+    with offload_layers(model, **arguments):
         for _ in range(3):
             step().backward()
         torch.cuda.synchronize()

@@ -69,3 +69,25 @@ def test_rebuilt_casts_bit_identical_fewer_bytes_no_higher_peak(k, deterministic
     assert_bit_equal(moving, want)
     assert moved_all - moved == k * probs
     assert got_peak <= moving_peak, (got_peak, moving_peak)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_recast_layers_bit_identical_and_lower_by_their_casts(k, deterministic):
+    # NOTE [A kept layer's casts]: kept layers let their casts go at their forward's
+    # end and cast them again in backward; nothing crosses the link.
+    from cpu_offload import offload_layers
+
+    layers = _layers(4)
+    want = step(layers, _input)
+    _, kept_peak = _step(layers, None, None)
+    with offload_layers(layers, recast=range(k)) as handle:
+        step(layers, _input)  # warm-up
+        got, got_peak = _step(layers, None, None)
+        states = [kept.state for kept in handle._runner.recast.values()]
+    assert_bit_equal(got, want)
+    probs = BATCH * HEADS * SEQ * SEQ * 2
+    assert [s.recast_bytes for s in states] == [probs] * k
+    assert all(s.moved_bytes == 0 for s in states)
+    # Each recast layer's cast is gone from its forward's end to its own backward.
+    assert kept_peak - got_peak >= (k - 1) * probs
+    assert got_peak < kept_peak

@@ -233,7 +233,7 @@ def test_reassign_keeps_the_parts_it_wraps_and_changes_their_choices() -> None:
         ({0: {"ffn": "offload"}}, ValueError, r"'ffn' is not a submodule of layer 0.*norm1, attn"),
         ({0: {"mlp": "drop"}}, ValueError, r"parts\[0\]\['mlp'\] must be one of 'keep'"),
         ({0: {"mlp": "offload", "mlp.0": "keep"}}, ValueError, "'mlp.0' lies inside 'mlp'"),
-        ({1: {"mlp": "keep"}}, ValueError, "layer 1 is also offloaded or recomputed whole"),
+        ({1: {"mlp": "keep"}}, ValueError, "layer 1 is also offloaded, recomputed or recast whole"),
     ],
 )
 def test_bad_parts_are_named(parts, error, match) -> None:  # type: ignore[no-untyped-def]

@@ -25,6 +25,7 @@ from cpu_offload.plan import (
     save_plan,
     search,
 )
+from cpu_offload.plan.search import LETTERS
 
 MIN = 256
 LAYERS = 4
@@ -97,7 +98,7 @@ def test_profile_counts_what_the_engine_offloads() -> None:
     "letters", ["ORKK", "OOKR", "RRRR", "KKKK", "OKOK", "RORK"], ids=lambda s: s
 )
 def test_apply_is_bit_identical(letters: str) -> None:
-    by_letter = {c.value[0].upper(): c for c in Choice}
+    by_letter = {letter: c for c, letter in LETTERS.items()}
     plan = Plan(tuple(by_letter[c] for c in letters), 1, 0.0, 0)
     want = _train(_encoder())
     model = _encoder()
@@ -494,7 +495,7 @@ def test_compare_plan_variant_is_bit_identical(letters: str) -> None:
     from cpu_offload.models import ModelSpec
     from cpu_offload.plan.compare import plan_variant
 
-    by_letter = {c.value[0].upper(): c for c in Choice}
+    by_letter = {letter: c for c, letter in LETTERS.items()}
     plan = Plan(tuple(by_letter[c] for c in letters), 1, 0.0, 0)
     spec = ModelSpec(kind="encoder", hidden=32, heads=2, seq=16, batch=2, layers=4)
     workload = spec_workload(spec, "cpu")

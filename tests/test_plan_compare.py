@@ -15,6 +15,7 @@ from cpu_offload import HostTransport
 from cpu_offload.cli import main
 from cpu_offload.compare import compare_model, format_table
 from cpu_offload.plan import Choice, Plan, apply_plan, load_plan, save_plan
+from cpu_offload.plan.search import LETTERS
 
 # A user's model: attention blocks that take a keyword argument and return a tuple.
 FACTORY = """
@@ -118,7 +119,7 @@ def test_plan_on_a_user_model_applied_is_bit_identical(
 
 @pytest.mark.parametrize("letters", ["OKRK", "RORK", "KKKK"])
 def test_compare_model_plan_row(factory: str, letters: str, tmp_path: Path) -> None:
-    by_letter = {c.value[0].upper(): c for c in Choice}
+    by_letter = {letter: c for c, letter in LETTERS.items()}
     plan = Plan(tuple(by_letter[c] for c in letters), 1, 0.0, 0)
     model, make_batch, loss_fn = importlib.import_module(factory).make()
     save_plan(plan, tmp_path / "p.json")

@@ -193,7 +193,10 @@ def test_the_plan_command_prints_what_each_part_does(capsys: pytest.CaptureFixtu
     profile = _profile(model, torch.randn(2, 16, D))
     _print_layers(profile, _part_plan(profile, 3))
     out = capsys.readouterr().out
-    assert "| layer | choice | kept MiB | offloaded MiB | recomputed MiB | parts |" in out
+    assert (
+        "| layer | choice | kept MiB | offloaded MiB | recomputed MiB | casts rebuilt MiB | parts |"
+        in out
+    )
     assert "| 0 | part by part |" in out and "attention.core recompute" in out
     assert "| 2 | keep |" in out
 

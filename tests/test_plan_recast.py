@@ -115,3 +115,90 @@ def test_profiles_find_the_casts_of_a_real_block() -> None:
         assert [s.nbytes for s in casts] == [PROBS_BYTES]
         source = cost.storages[casts[0].recast_of]
         assert source.nbytes == 2 * PROBS_BYTES  # the fp32 softmax
+
+
+# -- kept layers with their casts rebuilt (Choice.RECAST) -----------------------------
+
+C, R = Choice.RECAST, Choice.RECOMPUTE
+# The cast takes 0.25 ms to rebuild; offloading would cost the link 110 ms.
+CAST = LayerCost(
+    1.0, 2.0, saved_bytes=150, offload_bytes=110, input_bytes=10, recast_bytes=40, recast_ms=0.25
+)
+
+
+def test_a_recast_layer_frees_its_casts_for_the_time_of_casting_them() -> None:
+    use = use_of(CAST, C, False)
+    assert (use.resident, use.moved, use.recast, use.rerun_ms) == (110, 0, 40, 0.25)
+    assert not use.offloaded
+    profile = Profile((CAST,) * 4, Link(1e-6, 1e-6))
+    keep, recast = estimate(profile, [K] * 4), estimate(profile, [C, C, C, K])
+    # Three layers let 40 bytes each go at their forward's end; each comes back for its
+    # own backward only, after the kept last layer's bytes went.
+    assert keep.peak_bytes - recast.peak_bytes == 3 * 40
+    assert recast.step_ms == pytest.approx(keep.step_ms + 3 * 0.25)
+    assert recast.stall_ms == 0
+
+
+def test_search_rebuilds_casts_where_that_is_cheapest_and_only_when_finer() -> None:
+    from cpu_offload.plan import NoPlanFits, search
+    from cpu_offload.plan.search import brute_force
+
+    profile = Profile((CAST,) * 4, Link(1e-6, 1e-6))
+    budget = estimate(profile, [K] * 4).peak_bytes - 60
+    plan = search(profile, budget)
+    assert set(plan.choices) <= {K, C} and plan.describe().count("C") >= 2
+    assert plan.recast == tuple(j for j, c in enumerate(plan.choices) if c is C)
+    assert plan.step_ms == pytest.approx(brute_force(profile, budget).step_ms)
+    # Whole layers only: keep, offload or recompute (recomputation is cheaper than the link).
+    whole = search(profile, budget, parts=False)
+    assert C not in whole.choices and R in whole.choices
+    assert whole.step_ms > plan.step_ms
+    with pytest.raises(NoPlanFits):
+        search(Profile((CAST,) * 4, Link(1e-6, 1e-6)), 100)
+
+
+def test_a_layer_without_casts_is_never_recast() -> None:
+    from cpu_offload.plan import search
+
+    profile = Profile((MOVING,) * 4, Link(1e-6, 1e-6))
+    budget = estimate(profile, [K] * 4).peak_bytes - 60
+    assert C not in search(profile, budget).choices
+    with pytest.raises(ValueError, match="must be one of 'keep', 'offload', 'recompute'; got"):
+        estimate(Profile((_parts_layer(),), Link(1.0, 1.0)), [{"core": "recast"}])
+
+
+def test_plan_files_keep_recast_choices_and_times(tmp_path) -> None:
+    from cpu_offload.plan import Plan, load_plan, save_plan
+
+    profile = Profile((CAST,) * 3, Link(1.0, 1.0))
+    plan = Plan((C, OFF, K), 10_000, 1.0, 100, profile)
+    save_plan(plan, tmp_path / "p.json")
+    loaded = load_plan(tmp_path / "p.json")
+    assert loaded.choices == (C, OFF, K) and loaded.describe() == "COK"
+    assert loaded.profile is not None and loaded.profile.layers[0].recast_ms == 0.25
+
+
+def test_a_recast_plan_applies_bit_identical_on_a_real_block() -> None:
+    from helpers import assert_bit_equal, step
+
+    from cpu_offload.plan import Plan, apply_plan
+
+    layers = _layers()
+    want = step(layers, _input)
+    x = _input()
+    profile = profile_model(
+        layers, lambda: _run(layers, x), steps=1, warmup=0, min_tensor_size_to_offload=1024
+    )
+    assert [c.recast_bytes for c in profile.layers] == [PROBS_BYTES] * 3
+    assert all(c.recast_ms > 0 for c in profile.layers)
+    plan = Plan((C, C, K), 1 << 40, 0.0, 0, profile)
+    with apply_plan(layers, plan, min_tensor_size_to_offload=1024) as handle:
+        assert handle.recast == (0, 1)
+        assert_bit_equal(step(layers, _input), want)
+        assert [k.state.recast_bytes for k in handle._runner.recast.values()] == [PROBS_BYTES] * 2
+
+
+def _run(layers: torch.nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
+    for layer in layers:
+        x = layer(x)
+    return x.float().square().mean()

@@ -34,16 +34,23 @@ from torch import nn
 from ._layer_stack import check_indices
 from ._layer_wrap import wrap_of
 
-__all__ = ["Choice", "PartPlan", "check_part_names", "check_parts", "keep_saved"]
+__all__ = ["PART_CHOICES", "Choice", "PartPlan", "check_part_names", "check_parts", "keep_saved"]
 
 
 class Choice(str, enum.Enum):
     """What happens to what a layer, or a part of it, saves for backward: kept,
-    offloaded or recomputed (also ``cpu_offload.plan.Choice``)."""
+    offloaded or recomputed; or, for a whole layer, kept with its saved casts rebuilt
+    in backward (``RECAST``: NOTE [A kept layer's casts] in
+    ``cpu_offload/engine/kept_layer.py``). Also ``cpu_offload.plan.Choice``."""
 
     KEEP = "keep"
     OFFLOAD = "offload"
     RECOMPUTE = "recompute"
+    RECAST = "recast"
+
+
+#: The choices a part of a layer may have.
+PART_CHOICES = (Choice.KEEP, Choice.OFFLOAD, Choice.RECOMPUTE)
 
 
 #: Layer index -> part name (a submodule path inside the layer) -> choice.
@@ -110,7 +117,7 @@ def check_parts(
     Args:
         parts: What :func:`cpu_offload.offload_layers` was given, or None.
         layers: The wrapped layers.
-        whole: Indices of the layers offloaded or recomputed whole.
+        whole: Indices of the layers offloaded, recomputed or recast whole.
         owned: Part modules the caller wraps already (a handle that reassigns its
             parts): not refused as wrapped by another ``offload_layers``.
 
@@ -131,13 +138,13 @@ def check_parts(
         )
     check_indices("parts", parts.keys(), len(layers))
     taken = set(whole)
-    allowed = ", ".join(repr(c.value) for c in Choice)
+    allowed = ", ".join(repr(c.value) for c in PART_CHOICES)
     out: PartPlan = {}
     seen: dict[int, str] = {}  # id of a part's module -> where it was given
     for index, choices in parts.items():
         if index in taken:
             raise ValueError(
-                f"parts: layer {index} is also offloaded or recomputed whole; give a layer "
+                f"parts: layer {index} is also offloaded, recomputed or recast whole; give a layer "
                 "either a whole-layer choice or choices for its parts"
             )
         if not isinstance(choices, Mapping):
@@ -149,6 +156,8 @@ def check_parts(
             choice = choices[name]
             try:
                 layer_parts[name] = Choice(choice)
+                if layer_parts[name] not in PART_CHOICES:
+                    raise ValueError(choice)
             except ValueError:
                 raise ValueError(
                     f"parts[{index}][{name!r}] must be one of {allowed}; got {choice!r}"

@@ -24,6 +24,7 @@ from ._layer_call import run_layer, run_layer_recomputed
 from ._layer_parts import Choice, PartPlan, keep_saved
 from ._marking import MarkOutputs
 from ._warn import warn_at_caller
+from .engine.kept_layer import KeptLayer
 
 __all__ = ["PartRunner", "Runner", "StepWatch", "recompute", "sync_first"]
 
@@ -149,6 +150,8 @@ class Runner:
         num_layers: int,
         mark_outputs: bool,
         parts: PartPlan | None = None,
+        recast: frozenset[int] = frozenset(),
+        min_numel: int = 0,
     ) -> None:
         self.context = context
         self.sync = sync
@@ -158,6 +161,10 @@ class Runner:
         self.mark_outputs = mark_outputs
         #: Per layer, what each of its parts does (NOTE [Parts of a layer]).
         self.parts: PartPlan = parts or {}
+        #: Kept layers whose saved casts are rebuilt in backward (NOTE [A kept layer's
+        #: casts] in ``cpu_offload/engine/kept_layer.py``), each with its saved tensors.
+        self.recast = {i: KeptLayer(f"layer {i}", min_numel) for i in sorted(recast)}
+        self._warned_recast = False
         #: The layer whose training forward runs now, for its parts (None between layers).
         self.running: int | None = None
         self._engine_hooks: tuple[Any, Any] | None = None  # (synchronizer, its hooks)
@@ -177,6 +184,7 @@ class Runner:
         self.context, self.sync = other.context, other.sync
         self.offloaded, self.recomputed = other.offloaded, other.recomputed
         self.parts = other.parts
+        self.recast = other.recast
         self.mark_outputs = other.mark_outputs
         self._engine_hooks = None
         if self.last_index is not None and self.last_index != self.num_layers - 1:
@@ -290,6 +298,9 @@ class Runner:
                 call_compiled, callback, run_layer, *_unbound(forward, args), kwargs
             )
 
+        kept = self._kept_layer(index)
+        if kept is not None:
+            run = functools.partial(_kept_run, kept, run)
         if self.context is None:
             return run()
         if index == 0 and self.last_index not in (None, self.num_layers - 1):
@@ -314,6 +325,23 @@ class Runner:
             raise
         self.last_index = index
         return out
+
+    def _kept_layer(self, index: int) -> KeptLayer | None:
+        """Layer ``index``'s :class:`KeptLayer` if its saved casts are rebuilt here: not
+        inside the model's own checkpoint, which keeps only the layer's inputs (its hooks
+        would take what the checkpoint means to drop)."""
+        kept = self.recast.get(index)
+        if kept is None or not in_checkpoint_forward():
+            return kept
+        if not self._warned_recast:
+            self._warned_recast = True
+            warn_at_caller(
+                f"offload_layers: layer {index} runs inside the model's own activation "
+                "checkpoint, which saves only the layer's inputs: there are no saved casts "
+                "to rebuild (recast=... does nothing there). Offload such layers "
+                "(offloaded=[...]) to move the inputs the checkpoint keeps"
+            )
+        return None
 
     @property
     def transport(self) -> Any:
@@ -349,6 +377,15 @@ class Runner:
             "forward, in order: run every wrapped layer once per forward (no layer drop, "
             "no reuse of a layer), or wrap only the layers that run that way"
         )
+
+
+def _kept_run(kept: KeptLayer, run: Callable[[], Any]) -> Any:
+    """``run()`` with what it saves for backward held by ``kept``, its saved casts let
+    go at the end (NOTE [A kept layer's casts] in ``cpu_offload/engine/kept_layer.py``)."""
+    with kept.saving():
+        out = run()
+    kept.finish()
+    return out
 
 
 class PartRunner:

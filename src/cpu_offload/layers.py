@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import nn
 
-from ._args import check_int
+from ._args import check_int, check_min_tensor_size
 from ._compat import in_backward
 from ._compile import keep_engine_out_of_compile
 from ._layer_parts import Choice, PartPlan, check_parts
@@ -23,6 +23,7 @@ from ._layer_stack import check_indices, find_layers, offload_schedule
 from ._layer_wrap import Patch, patch_layer, wrap_of
 from ._log import logger
 from ._switch import ENV_VAR, use_v1
+from .v2.context import DEFAULT_MIN_TENSOR_SIZE
 from .v2.default import DefaultOffloadSynchronizer
 
 __all__ = ["OffloadedLayers", "StepWatch", "layer_runner", "offload_layers", "sync_first"]
@@ -75,6 +76,7 @@ class OffloadedLayers:
         self.offloaded = tuple(sorted(runner.offloaded - set(runner.parts)))
         self.recomputed = tuple(sorted(runner.recomputed))
         self.parts = {j: {name: c.value for name, c in p.items()} for j, p in runner.parts.items()}
+        self.recast = tuple(runner.recast)
         self.backend = backend
         self.context = runner.context
         self.sync = runner.sync
@@ -88,6 +90,7 @@ class OffloadedLayers:
             runner.context is None
             and not runner.recomputed
             and not runner.parts
+            and not runner.recast
             and runner.watch is None
         ):
             return  # every layer kept: nothing to run through the handle
@@ -133,6 +136,7 @@ class OffloadedLayers:
         offloaded: Iterable[int] = (),
         recomputed: Iterable[int] = (),
         parts: Mapping[int, Mapping[str, str]] | None = None,
+        recast: Iterable[int] = (),
     ) -> None:
         """Offload and recompute other layers (or parts of layers), from the next forward on.
 
@@ -144,18 +148,28 @@ class OffloadedLayers:
             offloaded: Layer indices to offload.
             recomputed: Layer indices to recompute; none of them offloaded.
             parts: Choices for parts of other layers, as :func:`offload_layers` takes them.
+            recast: Kept layers whose saved casts are rebuilt, as :func:`offload_layers`
+                takes them.
 
         Raises:
             RuntimeError: After :meth:`remove`, or during a forward or a backward.
             ValueError: As :func:`offload_layers` for the same indices.
         """
         self._check_usable("reassign")
-        offloaded_set, recomputed_set = _checked_sets(None, offloaded, recomputed, self.num_layers)
+        offloaded_set, recomputed_set, recast_set = _checked_sets(
+            None, offloaded, recomputed, recast, self.num_layers
+        )
         # The parts this handle wraps now may be parts of the new plan too.
         owned = [patch.layer for patch in self._installed_parts.values()]
-        part_plan = check_parts(parts, self.layers, offloaded_set | recomputed_set, owned)
+        taken = offloaded_set | recomputed_set | recast_set
+        part_plan = check_parts(parts, self.layers, taken, owned)
         runner, backend = layer_runner(
-            self.num_layers, offloaded_set, recomputed_set, parts=part_plan, **self._context_kwargs
+            self.num_layers,
+            offloaded_set,
+            recomputed_set,
+            parts=part_plan,
+            recast=recast_set,
+            **self._context_kwargs,
         )
         self._runner.take(runner)
         self._describe(backend)
@@ -242,6 +256,7 @@ class OffloadedLayers:
             f"OffloadedLayers(num_layers={self.num_layers}, offloaded={list(self.offloaded)}, "
             f"recomputed={list(self.recomputed)}, "
             + (f"parts={self.parts}, " if self.parts else "")
+            + (f"recast={list(self.recast)}, " if self.recast else "")
             + f"backend={self.backend!r}, active={self.active})"
         )
 
@@ -274,18 +289,26 @@ def _checked_sets(
     num_offloaded: int | None,
     offloaded: Iterable[int] | None,
     recomputed: Iterable[int],
+    recast: Iterable[int],
     n: int,
-) -> tuple[frozenset[int], frozenset[int]]:
-    """The offloaded and the recomputed layer indices, checked and disjoint."""
+) -> tuple[frozenset[int], frozenset[int], frozenset[int]]:
+    """The offloaded, the recomputed and the recast layer indices, checked and disjoint."""
     offloaded_set = _offloaded_set(num_offloaded, offloaded, n)
     recomputed_set = check_indices("recomputed", recomputed, n)
-    both = sorted(offloaded_set & recomputed_set)
-    if both:
-        raise ValueError(
-            f"offload_layers: layers {both} are both offloaded and recomputed; a layer's "
-            "activations are either offloaded or recomputed, not both"
-        )
-    return offloaded_set, recomputed_set
+    recast_set = check_indices("recast", recast, n)
+    for (a, a_set), (b, b_set) in (
+        (("offloaded", offloaded_set), ("recomputed", recomputed_set)),
+        (("offloaded", offloaded_set), ("recast", recast_set)),
+        (("recomputed", recomputed_set), ("recast", recast_set)),
+    ):
+        both = sorted(a_set & b_set)
+        if both:
+            raise ValueError(
+                f"offload_layers: layers {both} are in both {a} and {b}; give each layer "
+                "one of offloaded, recomputed and recast (an offloaded layer's casts are "
+                "rebuilt already, a recomputed one saves none)"
+            )
+    return offloaded_set, recomputed_set, recast_set
 
 
 def _make_context(
@@ -331,6 +354,7 @@ def layer_runner(
     offloaded: frozenset[int],
     recomputed: frozenset[int],
     parts: PartPlan | None = None,
+    recast: frozenset[int] = frozenset(),
     **context_kwargs: Any,
 ) -> tuple[Runner, str | None]:
     """What runs each layer of :func:`offload_layers`, and its backend (None: none offloaded).
@@ -362,7 +386,18 @@ def layer_runner(
     if offloaded:
         context, sync = _make_context(offloaded, num_layers, v1, context_kwargs)
         backend = "v1" if v1 else "v2"
-    runner = Runner(context, sync, offloaded, recomputed, num_layers, mark_outputs=v1, parts=parts)
+    min_numel = context_kwargs.get("min_tensor_size_to_offload", DEFAULT_MIN_TENSOR_SIZE)
+    runner = Runner(
+        context,
+        sync,
+        offloaded,
+        recomputed,
+        num_layers,
+        mark_outputs=v1,
+        parts=parts,
+        recast=recast,
+        min_numel=check_min_tensor_size(min_numel),
+    )
     return runner, backend
 
 
@@ -373,6 +408,7 @@ def offload_layers(
     offloaded: Iterable[int] | None = None,
     recomputed: Iterable[int] = (),
     parts: Mapping[int, Mapping[str, str]] | None = None,
+    recast: Iterable[int] = (),
     **context_kwargs: Any,
 ) -> OffloadedLayers:
     """Offload the activations of a model's layers, without editing the model's code.
@@ -420,6 +456,11 @@ def offload_layers(
             schedule) or recomputed in backward (``"recompute"``: the part runs through
             the same checkpoint as a recomputed layer); what the layer saves outside its
             parts is kept. A layer given parts is not in ``offloaded`` or ``recomputed``.
+        recast: Layer indices kept on the device whose saved casts (the bf16 copy of an
+            fp32 softmax) are cast again in backward instead of held: everything else
+            they save stays, nothing is copied (NOTE [A kept layer's casts] in
+            ``cpu_offload/engine/kept_layer.py``). Offloaded layers do this already;
+            none of them may be offloaded, recomputed or given parts. Any backend.
         **context_kwargs: Passed to :func:`cpu_offload.get_cpu_offload_context`
             (``transport``, ``min_tensor_size_to_offload``, ``offload_stream``, ...).
 
@@ -453,12 +494,20 @@ def offload_layers(
             f"offload_layers sets {', '.join(own)} itself from the layers and the indices; "
             "pass num_offloaded or offloaded instead"
         )
-    offloaded_set, recomputed_set = _checked_sets(num_offloaded, offloaded, recomputed, n)
-    part_plan = check_parts(parts, layers, offloaded_set | recomputed_set)
-    if num_offloaded is None and offloaded is None and not recomputed_set and not part_plan:
+    offloaded_set, recomputed_set, recast_set = _checked_sets(
+        num_offloaded, offloaded, recomputed, recast, n
+    )
+    part_plan = check_parts(parts, layers, offloaded_set | recomputed_set | recast_set)
+    if (
+        num_offloaded is None
+        and offloaded is None
+        and not recomputed_set
+        and not part_plan
+        and not recast_set
+    ):
         raise ValueError(
             "offload_layers: nothing to do; pass num_offloaded=k, offloaded=[...], "
-            "recomputed=[...] or parts={...}"
+            "recomputed=[...], parts={...} or recast=[...]"
         )
     for index, layer in enumerate(layers):
         if wrap_of(layer) is not None:
@@ -467,7 +516,7 @@ def offload_layers(
                 "by offload_layers; call remove() on that handle first"
             )
     runner, backend = layer_runner(
-        n, offloaded_set, recomputed_set, parts=part_plan, **context_kwargs
+        n, offloaded_set, recomputed_set, parts=part_plan, recast=recast_set, **context_kwargs
     )
     handle = OffloadedLayers(layers, runner, backend, context_kwargs)
     handle._install()

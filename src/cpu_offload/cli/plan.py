@@ -284,10 +284,12 @@ def _print_layers(profile: Any, plan: Any) -> None:
     from ..plan.model import Choice, Parts
     from ..plan.usage import layer_bytes
 
-    print("| layer | choice | kept MiB | offloaded MiB | recomputed MiB | parts |")
-    print("|---:|---|---:|---:|---:|---|")
+    print(
+        "| layer | choice | kept MiB | offloaded MiB | recomputed MiB | casts rebuilt MiB | parts |"
+    )
+    print("|---:|---|---:|---:|---:|---:|---|")
     for j, (cost, choice) in enumerate(zip(profile.layers, plan.choices, strict=True)):
-        kept, moved, rerun = layer_bytes(cost, choice)
+        kept, moved, rerun, rebuilt = layer_bytes(cost, choice)
         parts = ""
         if isinstance(choice, Parts):
             shown = []
@@ -296,4 +298,7 @@ def _print_layers(profile: Any, plan: Any) -> None:
                 shown.append(f"{part.name} {c.value} {_mib(size)}")
             parts = "; ".join(shown)
         name = "part by part" if isinstance(choice, Parts) else Choice(choice).value
-        print(f"| {j} | {name} | {_mib(kept)} | {_mib(moved)} | {_mib(rerun)} | {parts} |")
+        print(
+            f"| {j} | {name} | {_mib(kept)} | {_mib(moved)} | {_mib(rerun)} | {_mib(rebuilt)} "
+            f"| {parts} |"
+        )

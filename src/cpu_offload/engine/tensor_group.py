@@ -137,8 +137,9 @@ class GroupPlan:
         """The units copied to the host and back (all but the kept ones)."""
         return [u for u in self.units if not u.kept]
 
-    def keep_units(self, budget: int) -> int:
-        """Keep moved units on the device, largest first, within ``budget`` bytes.
+    def keep_units(self, budget: int | None) -> int:
+        """Keep moved units on the device, largest first, within ``budget`` bytes
+        (every unit if None).
 
         A kept unit is never copied, and the tensors of its references are served from
         the device tensor itself (NOTE [Bytes that pay] in ``peak_watch.py``).
@@ -147,14 +148,16 @@ class GroupPlan:
             The bytes kept.
         """
         kept = 0
-        if budget <= 0:
+        if budget is not None and budget <= 0:
             return kept
         for unit in sorted(self.moved, key=lambda u: u.nbytes, reverse=True):
             tensor = unit.tensor
             assert tensor is not None
             # A slice of a larger storage would keep all of it alive: moved, only the
-            # slice comes back.
-            if kept + unit.nbytes <= budget and not _shares_storage(tensor, unit.nbytes):
+            # slice comes back. Where every unit stays, the storage stays anyway.
+            if budget is None or (
+                kept + unit.nbytes <= budget and not _shares_storage(tensor, unit.nbytes)
+            ):
                 unit.kept = True
                 unit.storage_offset = int(tensor.storage_offset())
                 kept += unit.nbytes

@@ -74,7 +74,8 @@ def apply_plan(
     Offloaded layers run under the offload context with the schedule the plan was
     modelled with; recomputed layers are recomputed in backward to the end of their
     forward, as :func:`cpu_offload.offload_layers` recomputes them; layers planned part by part get their parts' choices
-    (``offload_layers(parts=...)``); kept layers run as they are. Results are bit-identical to the model
+    (``offload_layers(parts=...)``); layers kept with their casts rebuilt go through
+    ``offload_layers(recast=...)``; kept layers run as they are. Results are bit-identical to the model
     without offloading.
 
     On a GPU the first training step's peak memory is checked against the plan's
@@ -134,6 +135,7 @@ def apply_plan(
             offloaded=plan.offloaded,
             recomputed=plan.recomputed,
             parts=plan.parts,
+            recast=plan.recast,
             **context_kwargs,
         )
     devices = {p.device for layer in layers for p in layer.parameters() if p.is_cuda}

@@ -68,6 +68,7 @@ class PlanVariant(Variant):
                 frozenset(plan.offloaded),
                 frozenset(plan.recomputed),
                 parts=parts,
+                recast=frozenset(plan.recast),
                 **kwargs,
             )
         if transport is None and self.runner.transport is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from .._layer_parts import Choice
 
@@ -81,6 +82,9 @@ class HostCost:
             self.forward_ms,
             choice,
             self.offload_forward_ms,
+            # Kept with its casts rebuilt: the engine's hooks and grouping, as an
+            # offloaded layer runs them (with its copies to queue: an upper bound).
+            self.offload_forward_ms,
             self.recompute_forward_ms,
             self.engaged_forward_ms if engaged else 0.0,
         )
@@ -92,17 +96,27 @@ class HostCost:
             self.backward_ms,
             choice,
             self.offload_backward_ms,
+            # Kept with its casts rebuilt: the engine's unpack hooks, no reloads to queue
+            # or wait for; counted as the offload context's share of a kept layer.
+            self.engaged_backward_ms,
             self.recompute_backward_ms,
             self.engaged_backward_ms if engaged else 0.0,
         )
 
 
 def _plus(
-    kept_ms: float, choice: Choice, offload_ms: float, recompute_ms: float, engaged_ms: float
+    kept_ms: float,
+    choice: Choice,
+    offload_ms: float,
+    recast_ms: float,
+    recompute_ms: float,
+    engaged_ms: float,
 ) -> float:
     # Called for every layer of every plan the search scores: plain branches, no lookups.
     if choice is Choice.OFFLOAD:
         kept_ms += offload_ms
+    elif choice is Choice.RECAST:
+        kept_ms += recast_ms
     else:
         kept_ms += engaged_ms
         if choice is Choice.RECOMPUTE:
@@ -201,7 +215,10 @@ class LayerCost:
             choice keeps, offloads and recomputes is taken from them.
         recast_bytes: The part of ``saved_bytes`` offloading releases without moving it:
             saved casts of other saved tensors, cast again in backward (NOTE [Casts
-            rebuilt from their source] in ``cpu_offload/engine/recast.py``).
+            rebuilt from their source] in ``cpu_offload/engine/recast.py``); a layer
+            kept with :attr:`Choice.RECAST` releases them too (NOTE [A kept layer's
+            casts] in ``cpu_offload/engine/kept_layer.py``).
+        recast_ms: The device's time to cast them again in backward.
     """
 
     forward_ms: float
@@ -215,6 +232,7 @@ class LayerCost:
     storages: tuple[Storage, ...] = ()
     parts: tuple[PartCost, ...] = ()
     recast_bytes: int = 0
+    recast_ms: float = 0.0
 
     @property
     def rerun_ms(self) -> float:
@@ -227,21 +245,23 @@ class LayerCost:
         return max(self.saved_bytes - self.input_bytes, 0)
 
 
-def offload_layers_arguments(
-    choices: Sequence[Choice | Parts],
-) -> tuple[tuple[int, ...], tuple[int, ...], dict[int, dict[str, str]]]:
-    """``offloaded``, ``recomputed`` and ``parts`` of :func:`cpu_offload.offload_layers`
-    for validated per-layer choices (kept parts left out of ``parts``).
+def offload_layers_arguments(choices: Sequence[Choice | Parts]) -> dict[str, Any]:
+    """The keyword arguments ``offloaded``, ``recomputed``, ``parts`` and ``recast`` of
+    :func:`cpu_offload.offload_layers` for validated per-layer choices (kept parts left
+    out of ``parts``).
 
     Example:
-        >>> offload_layers_arguments([Choice.OFFLOAD, Parts((("mlp", Choice.RECOMPUTE),))])
-        ((0,), (), {1: {'mlp': 'recompute'}})
+        >>> plan = [Choice.OFFLOAD, Parts((("mlp", Choice.RECOMPUTE),)), Choice.RECAST]
+        >>> offload_layers_arguments(plan)
+        {'offloaded': (0,), 'recomputed': (), 'parts': {1: {'mlp': 'recompute'}}, 'recast': (2,)}
     """
-    offloaded = tuple(i for i, c in enumerate(choices) if c is Choice.OFFLOAD)
-    recomputed = tuple(i for i, c in enumerate(choices) if c is Choice.RECOMPUTE)
-    parts = {
-        i: {name: c.value for name, c in p.choices if c is not Choice.KEEP}
-        for i, p in enumerate(choices)
-        if isinstance(p, Parts)
+    return {
+        "offloaded": tuple(i for i, c in enumerate(choices) if c is Choice.OFFLOAD),
+        "recomputed": tuple(i for i, c in enumerate(choices) if c is Choice.RECOMPUTE),
+        "parts": {
+            i: {name: c.value for name, c in p.choices if c is not Choice.KEEP}
+            for i, p in enumerate(choices)
+            if isinstance(p, Parts)
+        },
+        "recast": tuple(i for i, c in enumerate(choices) if c is Choice.RECAST),
     }
-    return offloaded, recomputed, parts

@@ -70,6 +70,7 @@ def _profile_to_dict(profile: Profile) -> dict[str, Any]:
                 "saved_bytes": c.saved_bytes,
                 "offload_bytes": c.offload_bytes,
                 "recast_bytes": c.recast_bytes,
+                "recast_ms": c.recast_ms,
                 "input_bytes": c.input_bytes,
                 "workspace_bytes": c.workspace_bytes,
                 "host": None if c.host is None else asdict(c.host),
@@ -288,6 +289,7 @@ def _profile_from(r: _Reader) -> Profile:
             offload_bytes=lr.count("offload_bytes"),
             # Absent from files written before saved casts were rebuilt.
             recast_bytes=lr.count("recast_bytes") if "recast_bytes" in lr.data else 0,
+            recast_ms=lr.number("recast_ms") if "recast_ms" in lr.data else 0.0,
             input_bytes=lr.count("input_bytes"),
             workspace_bytes=lr.count("workspace_bytes"),
             # Absent from files written before the host's time was measured.

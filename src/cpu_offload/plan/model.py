@@ -24,6 +24,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from .._layer_parts import PART_CHOICES
 from .._layer_stack import offload_schedule as layer_stack_schedule
 from ..engine.reload_order import backward_start
 from ..v2.schedule import Point, Schedule, SyncDict, validate_synchronization_dict
@@ -136,8 +137,8 @@ def check_choices(
     to choices, the parts left out kept), for a layer whose parts were profiled.
 
     Args:
-        choices: ``"keep"``, ``"offload"`` or ``"recompute"`` (or :class:`Choice`), or
-            per part choices, per layer.
+        choices: ``"keep"``, ``"offload"``, ``"recompute"`` or ``"recast"`` (or
+            :class:`Choice`), or per part choices (no ``"recast"``), per layer.
         num_layers: The model's layers.
         layers: The layers' costs, to check per part choices against their parts.
 
@@ -171,18 +172,25 @@ def check_choices(
     return tuple(out)
 
 
-def _checked_choice(name: str, choice: object) -> Choice:
+def _checked_choice(
+    name: str, choice: object, allowed: tuple[Choice, ...] = tuple(Choice)
+) -> Choice:
     try:
-        return Choice(choice)
+        checked = Choice(choice)
+        if checked in allowed:
+            return checked
     except ValueError:
-        allowed = ", ".join(repr(x.value) for x in Choice)
-        raise ValueError(f"{name} must be one of {allowed}; got {choice!r}") from None
+        pass
+    names = ", ".join(repr(x.value) for x in allowed)
+    raise ValueError(f"{name} must be one of {names}; got {choice!r}") from None
 
 
 def _checked_parts(i: int, given: Parts | Mapping, cost: LayerCost | None) -> Parts:
     """A layer's per part choices, checked against its profiled parts (if known)."""
     pairs = given.choices if isinstance(given, Parts) else tuple(given.items())
-    named = {str(name): _checked_choice(f"choices[{i}][{name!r}]", c) for name, c in pairs}
+    named = {
+        str(name): _checked_choice(f"choices[{i}][{name!r}]", c, PART_CHOICES) for name, c in pairs
+    }
     if cost is None:
         if not isinstance(given, Parts):
             raise ValueError(
@@ -366,7 +374,8 @@ def estimate(profile: Profile, choices: Sequence[object]) -> Estimate:
 
     Args:
         profile: Layer costs and the link.
-        choices: One of ``"keep"``, ``"offload"``, ``"recompute"`` per layer.
+        choices: One of ``"keep"``, ``"offload"``, ``"recompute"``, ``"recast"`` per
+            layer, or per part choices.
 
     Returns:
         The modelled step time, peak device memory (``profile.static_bytes`` plus the
@@ -419,9 +428,10 @@ def estimate(profile: Profile, choices: Sequence[object]) -> Estimate:
             queued = max(start, tl.host)
             tl.copies.run_until(queued)
             offload_job[j] = tl.copies.queue("d2h", queued, use.moved + use.copied, end)
-            # Its saved casts go when its copies are queued, and are cast again in its
-            # backward (NOTE [Casts rebuilt from their source] in engine/recast.py).
-            tl.free(use.recast)
+        # Saved casts go when the layer's copies are queued (or its forward ends, where
+        # it moves nothing), and are cast again in its backward (NOTE [Casts rebuilt
+        # from their source] in engine/recast.py).
+        tl.free(use.recast)
     # The head and the loss run on what the layers hold at the end of the forward.
     tl.alloc(profile.head_bytes)
     tl.compute(profile.head_ms, 0, profile.head_host_ms)

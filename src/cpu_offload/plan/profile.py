@@ -49,7 +49,7 @@ from ._probe import (
 from ._timing import HostAndDevice, Together
 from .model import LayerCost, Link, Profile
 
-__all__ = ["measure_choices", "measure_host_link", "profile_model"]
+__all__ = ["cast_ms_of", "measure_choices", "measure_host_link", "profile_model"]
 
 
 def _with_grads(
@@ -198,6 +198,7 @@ def profile_model(
     # See NOTE [Memory peaks in a step of their own].
     peaks, _ = timed_step(layers, step, clock, memory=True)
     saved = probe.saved_bytes
+    cast_ms = {b: cast_ms_of(b, device, clock) for b in {s[2] for s in saved}}
     costs = [
         LayerCost(
             forward_ms=0.0,
@@ -205,6 +206,7 @@ def profile_model(
             saved_bytes=saved[j][0],
             offload_bytes=saved[j][1],
             recast_bytes=saved[j][2],
+            recast_ms=cast_ms[saved[j][2]],
             input_bytes=probe.input_bytes[j],
             workspace_bytes=peaks.workspace[j],
         )
@@ -230,6 +232,34 @@ def profile_model(
     if isinstance(measured, HostAndDevice):
         profile = measured.at_steady_pace(profile)
     return profile
+
+
+def cast_ms_of(nbytes: int, device: torch.device, clock: Clock, repeats: int = 5) -> float:
+    """The device's time to cast ``nbytes`` of saved casts again in backward (NOTE [Casts
+    rebuilt from their source] in ``cpu_offload/engine/recast.py``), timed as the cast
+    attention saves: bf16 from fp32. The median of ``repeats`` after one untimed.
+
+    Example:
+        >>> from cpu_offload.plan._probe import Clock
+        >>> cast_ms_of(0, torch.device("cpu"), Clock(False))
+        0.0
+        >>> cast_ms_of(1 << 20, torch.device("cpu"), Clock(False)) > 0
+        True
+    """
+    if nbytes <= 0:
+        return 0.0
+    source = torch.empty(nbytes // 2, dtype=torch.float32, device=device)
+    times = []
+    for _ in range(repeats + 1):
+        if clock.cuda:
+            torch.cuda.synchronize()
+        start = clock.now()
+        source.to(torch.bfloat16)
+        end = clock.now()
+        if clock.cuda:
+            torch.cuda.synchronize()
+        times.append(clock.ms(start, end))
+    return statistics.median(times[1:])
 
 
 def measure_choices(
@@ -277,13 +307,10 @@ def measure_choices(
     check_seconds("warmup_s", warmup_s)
     layers = find_layers(model_or_layers)
     plan = check_choices(choices, len(layers))
-    offloaded, recomputed, parts = offload_layers_arguments(plan)
     params = _with_grads(model_or_layers, layers)
     cuda = any(p.is_cuda for p in params)
     clock = Clock(cuda)
-    with offload_layers(
-        layers, offloaded=offloaded, recomputed=recomputed, parts=parts, **context_kwargs
-    ):
+    with offload_layers(layers, **offload_layers_arguments(plan), **context_kwargs):
         for _ in range(warmup):
             plain_step_ms(step, clock, 1)
         run_for(step, clock, warmup_s)

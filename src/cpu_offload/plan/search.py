@@ -73,31 +73,39 @@ class Plan:
     @property
     def offloaded(self) -> tuple[int, ...]:
         """Indices of the layers offloaded whole."""
-        return offload_layers_arguments(self.choices)[0]
+        return offload_layers_arguments(self.choices)["offloaded"]
 
     @property
     def recomputed(self) -> tuple[int, ...]:
         """Indices of the layers recomputed whole."""
-        return offload_layers_arguments(self.choices)[1]
+        return offload_layers_arguments(self.choices)["recomputed"]
 
     @property
     def parts(self) -> dict[int, dict[str, str]]:
         """Layer index -> {part name: choice} of the layers planned part by part, in the
         form :func:`cpu_offload.offload_layers` takes (kept parts left out)."""
-        return offload_layers_arguments(self.choices)[2]
+        return offload_layers_arguments(self.choices)["parts"]
+
+    @property
+    def recast(self) -> tuple[int, ...]:
+        """Indices of the layers kept with their saved casts rebuilt in backward."""
+        return offload_layers_arguments(self.choices)["recast"]
 
     def describe(self) -> str:
-        """One letter per layer: ``K`` keep, ``O`` offload, ``R`` recompute, ``P`` part
-        by part (see :meth:`cpu_offload.plan.model.Parts.describe`)."""
-        return "".join("P" if isinstance(c, Parts) else c.value[0].upper() for c in self.choices)
+        """One letter per layer: ``K`` keep, ``O`` offload, ``R`` recompute, ``C`` keep
+        with its saved casts rebuilt, ``P`` part by part (see
+        :meth:`cpu_offload.plan.model.Parts.describe`)."""
+        return "".join(LETTERS[c] if isinstance(c, Choice) else "P" for c in self.choices)
 
 
-_ORDER = {Choice.OFFLOAD: 0, Choice.KEEP: 1, Choice.RECOMPUTE: 2}
+#: Each whole-layer choice's letter in :meth:`Plan.describe`.
+LETTERS = {Choice.KEEP: "K", Choice.OFFLOAD: "O", Choice.RECOMPUTE: "R", Choice.RECAST: "C"}
+_ORDER = {Choice.OFFLOAD: 0, Choice.KEEP: 1, Choice.RECAST: 2, Choice.RECOMPUTE: 3}
 
 
 def _order(choice: Choice | Parts) -> tuple[int, str]:
     if isinstance(choice, Parts):
-        return (3, choice.describe())
+        return (4, choice.describe())
     return (_ORDER[choice], "")
 
 
@@ -196,8 +204,9 @@ def _figures(use: Use) -> tuple[float, ...]:
 def layer_options(
     cost: LayerCost, link: Link | None = None, limit: int = MAX_PART_OPTIONS, *, last: bool = False
 ) -> list[Choice | Parts]:
-    """A layer's options for the search: keep, offload, recompute, and the part by part
-    choices (where its parts were profiled) that no other option beats on every count.
+    """A layer's options for the search: keep, offload, recompute, keep with its saved
+    casts rebuilt (where the profile found any), and the part by part choices (where
+    its parts were profiled) that no other option beats on every count.
 
     Options are compared only with options that are, or are not, offloaded layers of
     the schedule alike (an offloaded layer moves the others' offload and reload points,
@@ -220,6 +229,8 @@ def layer_options(
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
         raise ValueError(f"limit must be an int >= 0, got {limit!r}")
     whole: list[Choice | Parts] = [c for c in _WHOLE if not (last and c is Choice.OFFLOAD)]
+    if cost.recast_bytes > 0:
+        whole.append(Choice.RECAST)
     if not cost.parts:
         return whole
     uses = {c: use_of(cost, c, True) for c in [*whole, *all_part_choices(cost)]}
@@ -293,7 +304,10 @@ def brute_force(profile: Profile, budget_bytes: int) -> Plan:
         'OK'
     """
     scorer = _Scorer(profile, _check_budget(budget_bytes))
-    menus: list[list[Choice | Parts]] = [[*_WHOLE, *all_part_choices(c)] for c in profile.layers]
+    menus: list[list[Choice | Parts]] = [
+        [*_WHOLE, *([Choice.RECAST] if c.recast_bytes > 0 else []), *all_part_choices(c)]
+        for c in profile.layers
+    ]
     for combo in itertools.product(*menus):
         if _valid(combo):
             scorer(combo)
@@ -346,8 +360,9 @@ def _part_seeds(
                     yield plan
 
 
-def _seeds(profile: Profile) -> Iterable[tuple[Choice | Parts, ...]]:
-    """Structured plans: offload the first ``m`` free layers, recompute the ``r`` best."""
+def _seeds(profile: Profile, recast: bool) -> Iterable[tuple[Choice | Parts, ...]]:
+    """Structured plans: offload the first ``m`` free layers, recompute the ``r`` best,
+    and (``recast``) the same with every kept layer's saved casts rebuilt."""
     layers = profile.layers
     n = len(layers)
     # Bytes freed per ms of recomputation: the cheapest layers to recompute first.
@@ -370,6 +385,11 @@ def _seeds(profile: Profile) -> Iterable[tuple[Choice | Parts, ...]]:
                 )
                 if _valid(plan):
                     yield plan
+                    if recast:
+                        yield tuple(
+                            Choice.RECAST if c is Choice.KEEP and layers[j].recast_bytes > 0 else c
+                            for j, c in enumerate(plan)
+                        )
 
 
 def _neighbours(
@@ -425,7 +445,10 @@ def search(
         budget_bytes: Largest modelled peak device memory allowed, in bytes.
         exact_max_layers: Largest stack of three options per layer searched
             exhaustively.
-        parts: Choose part by part where the profile has a layer's parts.
+        parts: Choose finer than whole layers: part by part where the profile has a
+            layer's parts, and keeping a layer with its saved casts rebuilt
+            (:attr:`Choice.RECAST`) where it found any. False: keep, offload or
+            recompute each whole layer.
 
     Returns:
         The plan.
@@ -460,7 +483,7 @@ def search(
     if math.prod(len(o) for o in options) <= 3**exact_max_layers:
         _exhaustive(scorer, options)
         return scorer.result()
-    seeds = sorted(set(_seeds(profile)), key=scorer.rank)
+    seeds = sorted(set(_seeds(profile, parts)), key=scorer.rank)
     part_seeds = sorted(set(_part_seeds(options)), key=scorer.rank)
     for seed in [*seeds[:8], *part_seeds[:8]]:
         _local_search(scorer, seed, options)

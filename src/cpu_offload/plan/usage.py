@@ -25,7 +25,8 @@ class Use:
     Attributes:
         resident: Bytes kept on the device from the layer's forward to its backward.
         moved: Bytes offloaded: gone between the schedule's offload and reload points.
-        recast: Bytes gone with the moved ones, rebuilt in backward from them without a
+        recast: Bytes gone at the end of the layer's forward (when its copies are
+            queued), rebuilt in backward from tensors it keeps or moves, without a
             copy (saved casts: NOTE [Casts rebuilt from their source] in
             ``cpu_offload/engine/recast.py``).
         copied: Bytes copied to the host and back although the device keeps them too (a
@@ -33,7 +34,7 @@ class Use:
             and a second device copy from the reload to the layer's backward.
         forward_extra: Bytes its forward holds for a while on top of its temporaries (a
             recomputed layer's or part's activations, dropped at its end).
-        rerun_ms: The device's time its backward adds (recomputation).
+        rerun_ms: The device's time its backward adds (recomputation, casts rebuilt).
         rerun_bytes: Bytes the recomputation allocates again in backward, until the
             layer's backward ends.
         host_forward_ms: The host's time for its forward.
@@ -88,10 +89,21 @@ def use_of(cost: LayerCost, choice: Choice | Parts, engaged: bool) -> Use:
             cost.saved_bytes - cost.offload_bytes - cost.recast_bytes,
             cost.offload_bytes,
             recast=cost.recast_bytes,
+            rerun_ms=cost.recast_ms,
             host_forward_ms=host_f,
             host_backward_ms=host_b,
             offloaded=True,
             last_share=last_read_share(cost.input_bytes, cost.offload_bytes),
+        )
+    if choice is Choice.RECAST:
+        # NOTE [A kept layer's casts] in cpu_offload/engine/kept_layer.py.
+        return Use(
+            cost.saved_bytes - cost.recast_bytes,
+            0,
+            recast=cost.recast_bytes,
+            rerun_ms=cost.recast_ms,
+            host_forward_ms=host_f,
+            host_backward_ms=host_b,
         )
     if choice is Choice.RECOMPUTE:
         alloc = cost.recompute_alloc_bytes
@@ -249,14 +261,17 @@ def _ahead_ms(cost: LayerCost, sent: set[int]) -> float:
     return cost.backward_ms * later / total if total > 0 else 0.0
 
 
-def layer_bytes(cost: LayerCost, choice: Choice | Parts) -> tuple[int, int, int]:
-    """``(kept, offloaded, recomputed)`` bytes of one layer under ``choice``: what stays on
-    the device until its backward, what is moved to the host, and what is recomputed.
+def layer_bytes(cost: LayerCost, choice: Choice | Parts) -> tuple[int, int, int, int]:
+    """``(kept, offloaded, recomputed, rebuilt)`` bytes of one layer under ``choice``: what
+    stays on the device until its backward, what is moved to the host, what is
+    recomputed, and the saved casts let go and cast again in backward.
 
     Example:
-        >>> layer = LayerCost(1.0, 2.0, saved_bytes=100, offload_bytes=80, input_bytes=10)
-        >>> layer_bytes(layer, Choice.OFFLOAD), layer_bytes(layer, Choice.RECOMPUTE)
-        ((20, 80, 0), (10, 0, 90))
+        >>> layer = LayerCost(1.0, 2.0, 100, offload_bytes=60, input_bytes=10, recast_bytes=20)
+        >>> layer_bytes(layer, Choice.OFFLOAD), layer_bytes(layer, Choice.RECAST)
+        ((20, 60, 0, 20), (80, 0, 0, 20))
+        >>> layer_bytes(layer, Choice.RECOMPUTE)
+        (10, 0, 90, 0)
     """
     use = use_of(cost, choice, False)
-    return use.resident, use.moved + use.copied, use.rerun_bytes
+    return use.resident, use.moved + use.copied, use.rerun_bytes, use.recast
