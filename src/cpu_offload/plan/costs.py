@@ -82,9 +82,10 @@ class HostCost:
             self.forward_ms,
             choice,
             self.offload_forward_ms,
-            # Kept with its casts rebuilt: the engine's hooks and grouping, as an
-            # offloaded layer runs them (with its copies to queue: an upper bound).
-            self.offload_forward_ms,
+            # Kept with its casts rebuilt: the engine's pack hooks and grouping, no copies
+            # or events (on workload D the step rose by the casts' device time alone);
+            # counted as the offload context's share of a kept layer.
+            self.engaged_forward_ms,
             self.recompute_forward_ms,
             self.engaged_forward_ms if engaged else 0.0,
         )
