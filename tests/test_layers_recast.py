@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import gc
+import weakref
 
 import pytest
 import torch
@@ -158,3 +159,28 @@ def test_bad_recast_arguments_are_refused(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         offload_layers(layers, min_tensor_size_to_offload=MIN, **kwargs)
     assert all(type(layer) is SoftmaxInFp32 for layer in layers)  # nothing left wrapped
+
+
+class _Branch(nn.Module):
+    """Saves a tensor on a branch the loss does not use: backward never reads it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+        self.seen: list[weakref.ref[torch.Tensor]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        unused = torch.exp(self.lin(x))  # exp saves its result; its node never runs
+        self.seen.append(weakref.ref(unused))
+        return x + self.lin(x).tanh()
+
+
+def test_what_backward_never_read_goes_when_the_backward_ends() -> None:
+    layers = nn.ModuleList(_Branch() for _ in range(2))
+    with offload_layers(layers, recast=[0], min_tensor_size_to_offload=1) as handle:
+        loss = step(layers, lambda: torch.randn(8, 64, requires_grad=True)).loss
+        gc.collect()
+        # Released at the backward's end, not held until the next forward.
+        assert layers[0].seen[-1]() is None and layers[1].seen[-1]() is None
+        assert not handle._runner.recast[0].state.has_tensors
+        assert torch.isfinite(loss)

@@ -12,8 +12,10 @@ nothing is copied and no stream is touched; only the casts the grouping finds le
 under the same conditions as in an offloaded layer, and each read of one in backward
 checks its source's version as there. It needs no offload schedule: the state goes
 through its phases on its own, its reload (of nothing) starting at the first read in
-backward, and its memory is released when the layer's next forward starts (by then
-autograd holds what it still needs itself).
+backward. What it holds is released when that backward ends (a tensor no node of it read,
+on a branch that needs no gradient, would otherwise stay until the layer's next
+forward), or else when the layer's next forward starts. As with offloaded layers, a
+second backward over the same graph then finds nothing to read, and says so.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections.abc import Hashable
 
 import torch
 
+from .._compat import in_backward, queue_backward_callback
 from .._compile import outside_compile
 from .host_buffers import HostBufferPool
 from .layer_state import LayerPhase, OffloadableLayerState
@@ -122,4 +125,6 @@ class KeptLayer:
         state = self.state
         if state.phase is LayerPhase.OFFLOAD_FINISHED:
             state.start_reload()  # nothing to copy back: every unit stayed
+            if in_backward():
+                queue_backward_callback(state.release_all_memory)
         return state.pop_tensor(packed)
