@@ -13,6 +13,7 @@ from .._compat import autograd_clock
 from .host_buffers import HostBufferPool, LayerHostBuffers
 from .layout import TensorLayout
 from .reload_order import ReadOrder
+from .saved_checks import check_saved_version, check_source_version, kept_again, log_offload
 from .tensor_group import CastRef, GroupPlan, SavedEntry, TensorGroupProcessor, Unit
 from .transport import Transport, resolve_transport
 
@@ -251,29 +252,13 @@ class OffloadableLayerState:
             entry.ready = None
         self.transport.recycle(ready)
         if _log.debug_enabled():
-            self._log_offload(plan)
+            log_offload(self.name, plan, self._entries)
         # A saved cast is rebuilt from its source's reload: no copy reads it, so its
         # device memory goes now (NOTE [Casts rebuilt from their source] in recast.py).
         for entry, ref in zip(self._entries, plan.refs, strict=True):
             if isinstance(ref, CastRef) and entry.tensor is not None:
                 entry.weak = weakref.ref(entry.tensor)
                 entry.tensor = None  # type: ignore[assignment]
-
-    def _log_offload(self, plan: GroupPlan) -> None:
-        for unit in plan.units:
-            assert unit.tensor is not None
-            if unit.kept:
-                _log.kept(self.name, unit.tensor, "lowers no peak off the device")
-            else:
-                _log.offloaded(self.name, unit.tensor, unit.nbytes)
-        for entry, ref in zip(self._entries, plan.refs, strict=True):
-            if isinstance(ref, CastRef):
-                _log.kept(self.name, entry.tensor, "not moved: cast again from its source")
-            elif not plan.unit_ids(ref):
-                why = "changed in place" if entry.keep else "layout cannot be restored"
-                _log.kept(self.name, entry.tensor, why)
-        moved = plan.moved
-        _log.moved(self.name, "offload", sum(u.nbytes for u in moved), len(moved))
 
     def release_activation_forward_gpu_memory(self) -> None:
         """Make the current stream wait for the offload copies, then drop the device tensors
@@ -428,7 +413,7 @@ class OffloadableLayerState:
                 f"{self.name} holds no saved tensor {tensor_or_id}: its memory was released "
                 "(a new iteration started, or backward ran twice over the same graph)"
             )
-        self._check_version(tensor_or_id)
+        check_saved_version(self._entries[tensor_or_id], self.name)
         if phase is LayerPhase.NOT_OFFLOADED:
             return self._entries[tensor_or_id].tensor
         plan = self._plan
@@ -436,7 +421,7 @@ class OffloadableLayerState:
         ref = plan.refs[tensor_or_id]
         if isinstance(ref, CastRef):
             for k in ref.source_entries:
-                self._check_source_version(k)
+                check_source_version(self._entries[k], self.name)
         unit_ids = plan.unit_ids(ref)
         stream = self.transport.current_stream() if unit_ids else None
         for u in unit_ids:
@@ -449,7 +434,7 @@ class OffloadableLayerState:
                 # ctx.saved_tensors twice): copy the host copy again, or find the kept
                 # memory through a tensor rebuilt from it that autograd still holds.
                 if unit.kept:
-                    unit.reloaded = self._kept_again(unit)
+                    unit.reloaded = kept_again(unit, self.name)
                 else:
                     self._reload_units([unit], [None])
                 unit.pending_pops += 1
@@ -463,40 +448,6 @@ class OffloadableLayerState:
                 # memory goes as soon as the layer's backward is done with it.
                 unit.reloaded = None
         return out
-
-    def _kept_again(self, unit: Unit) -> torch.Tensor:
-        alive = next((t for t in (r() for r in unit.returned) if t is not None), None)
-        if alive is None:
-            raise RuntimeError(
-                f"{self.name}: a saved tensor kept on the device was read again after "
-                "every tensor autograd made from it was freed. Read ctx.saved_tensors once "
-                "per backward, or keep the first result while reading it again"
-            )
-        layout = unit.layout
-        return alive.as_strided(layout.size, layout.stride, unit.storage_offset)
-
-    def _check_version(self, index: int) -> None:
-        entry = self._entries[index]
-        original = entry.tensor if entry.tensor is not None else (entry.weak and entry.weak())
-        if original is not None and original._version != entry.version:
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by "
-                f"an inplace operation: a tensor of shape {tuple(original.shape)} saved for "
-                f"backward in {self.name} is at version {original._version}; expected version "
-                f"{entry.version} instead (PyTorch raises this without offloading too)"
-            )
-
-    def _check_source_version(self, index: int) -> None:
-        entry = self._entries[index]
-        original = entry.tensor if entry.tensor is not None else (entry.weak and entry.weak())
-        if original is not None and original._version != entry.version:
-            raise RuntimeError(
-                f"a saved tensor of shape {tuple(original.shape)} in {self.name} was modified "
-                f"by an inplace operation after it was saved (version {original._version}; "
-                f"expected {entry.version}), and backward rebuilds a saved cast of it from it "
-                "(NOTE [Casts rebuilt from their source] in cpu_offload/engine/recast.py). "
-                "Leave it unchanged until backward, or mark_not_offload(tensor) before saving"
-            )
 
     def wait_for_reloads(self) -> None:
         """Make the current stream wait for every reload copy still outstanding.

@@ -1,0 +1,78 @@
+"""What a layer's state checks and logs of the tensors it was given: their versions when
+backward reads them, a kept tensor read again, and what an offload moved or kept."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .. import _log
+from .tensor_group import CastRef, GroupPlan, SavedEntry, Unit
+
+__all__ = ["check_saved_version", "check_source_version", "kept_again", "log_offload"]
+
+
+def _original(entry: SavedEntry) -> torch.Tensor | None:
+    """The tensor autograd saved, while anything still holds it."""
+    return entry.tensor if entry.tensor is not None else (entry.weak and entry.weak())
+
+
+def check_saved_version(entry: SavedEntry, layer: str) -> None:
+    """Raise as PyTorch does without offloading if ``entry``'s tensor was changed in
+    place after it was saved."""
+    original = _original(entry)
+    if original is not None and original._version != entry.version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by "
+            f"an inplace operation: a tensor of shape {tuple(original.shape)} saved for "
+            f"backward in {layer} is at version {original._version}; expected version "
+            f"{entry.version} instead (PyTorch raises this without offloading too)"
+        )
+
+
+def check_source_version(entry: SavedEntry, layer: str) -> None:
+    """Raise if the source of a saved cast (``entry``) changed after it was saved: the
+    cast rebuilt from it would have other values (NOTE [Casts rebuilt from their source]
+    in ``recast.py``)."""
+    original = _original(entry)
+    if original is not None and original._version != entry.version:
+        raise RuntimeError(
+            f"a saved tensor of shape {tuple(original.shape)} in {layer} was modified "
+            f"by an inplace operation after it was saved (version {original._version}; "
+            f"expected {entry.version}), and backward rebuilds a saved cast of it from it "
+            "(NOTE [Casts rebuilt from their source] in cpu_offload/engine/recast.py). "
+            "Leave it unchanged until backward, or mark_not_offload(tensor) before saving"
+        )
+
+
+def kept_again(unit: Unit, layer: str) -> torch.Tensor:
+    """A kept unit read more often than it was saved: its memory, found through a tensor
+    rebuilt from it that autograd still holds."""
+    alive = next((t for t in (r() for r in unit.returned) if t is not None), None)
+    if alive is None:
+        raise RuntimeError(
+            f"{layer}: a saved tensor kept on the device was read again after "
+            "every tensor autograd made from it was freed. Read ctx.saved_tensors once "
+            "per backward, or keep the first result while reading it again"
+        )
+    layout = unit.layout
+    return alive.as_strided(layout.size, layout.stride, unit.storage_offset)
+
+
+def log_offload(layer: str, plan: GroupPlan, entries: Sequence[SavedEntry]) -> None:
+    """At DEBUG: what the layer's offload moves, keeps and rebuilds, tensor by tensor."""
+    for unit in plan.units:
+        assert unit.tensor is not None
+        if unit.kept:
+            _log.kept(layer, unit.tensor, "lowers no peak off the device")
+        else:
+            _log.offloaded(layer, unit.tensor, unit.nbytes)
+    for entry, ref in zip(entries, plan.refs, strict=True):
+        if isinstance(ref, CastRef):
+            _log.kept(layer, entry.tensor, "not moved: cast again from its source")
+        elif not plan.unit_ids(ref):
+            why = "changed in place" if entry.keep else "layout cannot be restored"
+            _log.kept(layer, entry.tensor, why)
+    moved = plan.moved
+    _log.moved(layer, "offload", sum(u.nbytes for u in moved), len(moved))
