@@ -117,7 +117,7 @@ def test_plan_on_a_user_model_applied_is_bit_identical(
     assert "bit-identical to no offloading: none, v2, plan" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("letters", ["OKRK", "RORK", "KKKK"])
+@pytest.mark.parametrize("letters", ["OKRK", "RORK", "KKKK", "COKC"])
 def test_compare_model_plan_row(factory: str, letters: str, tmp_path: Path) -> None:
     by_letter = {letter: c for c, letter in LETTERS.items()}
     plan = Plan(tuple(by_letter[c] for c in letters), 1, 0.0, 0)
