@@ -4,6 +4,7 @@ the profile's device times scaled by it."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -16,7 +17,7 @@ import cpu_offload.plan._probe as probe_module
 import cpu_offload.plan._timing as timing_module
 from cpu_offload.plan import Choice, estimate, profile_model
 from cpu_offload.plan._clock import SteadyPace, steady_pace
-from cpu_offload.plan._probe import Clock
+from cpu_offload.plan._probe import Clock, host_probe_ms
 
 LAYERS = 3
 
@@ -87,6 +88,45 @@ def test_a_paused_device_read_slower_counts_as_steady(monkeypatch: pytest.Monkey
     assert steady_pace(lambda: torch.zeros(()), _cuda_clock()).factor == 1.0
 
 
+def test_readings_of_recomputation_on_a_slow_host_do_not_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Pair 1 on a calm host (probe 5 ms), pairs 2 and 3 in a slow phase (12 ms), where
+    # recomputing every layer, the host's work, reads twice as slow.
+    slow = iter([False, False, True, True, True, True])
+    state = {"recomputing": False, "slow": False}
+
+    def step_ms(step: object, clock: object, steps: int) -> float:
+        if not state["recomputing"]:
+            return 20.0
+        return 60.0 if state["slow"] else 30.0
+
+    def probe() -> float:
+        state["slow"] = next(slow)
+        return 12.0 if state["slow"] else 5.0
+
+    @contextlib.contextmanager
+    def recompute():  # type: ignore[no-untyped-def]
+        state["recomputing"] = True
+        yield
+        state["recomputing"] = False
+
+    monkeypatch.setattr(clock_module, "plain_step_ms", step_ms)
+    monkeypatch.setattr(clock_module.time, "sleep", lambda seconds: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    kwargs = dict(steps=1, pairs=3, warm_s=0.0, recompute=recompute, probe=probe)
+    got = steady_pace(lambda: torch.zeros(()), _cuda_clock(), calm_ms=5.0, **kwargs)
+    assert got.recompute_ratio == pytest.approx(1.5)  # pair 1 alone
+    slow = iter([False, False, True, True, True, True])
+    unjudged = steady_pace(lambda: torch.zeros(()), _cuda_clock(), **kwargs)
+    assert unjudged.recompute_ratio == pytest.approx(3.0)  # the median of 1.5, 3, 3
+    slow = iter([True] * 6)
+    assert (
+        steady_pace(lambda: torch.zeros(()), _cuda_clock(), calm_ms=5.0, **kwargs).recompute_ratio
+        is None
+    )
+
+
 @pytest.mark.parametrize(
     ("name", "value", "allowed"),
     [
@@ -142,8 +182,12 @@ def test_the_profile_scales_the_devices_times_by_the_pace(
             run.head_ms = 0.5
         return runs
 
-    def steady(step: Any, clock: Any, steps: int, recompute: Any = None) -> SteadyPace:
+    def steady(
+        step: Any, clock: Any, steps: int, recompute: Any = None, **judged: Any
+    ) -> SteadyPace:
         assert recompute is not None  # the profile times recomputation
+        # Its readings of recomputation are judged against the profile's calm host.
+        assert judged["probe"] is host_probe_ms and judged["calm_ms"] > 0
         return SteadyPace(pace, ratio)
 
     monkeypatch.setattr(timing_module, "median_times", median_times)

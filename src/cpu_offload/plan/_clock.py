@@ -15,6 +15,7 @@ import torch
 
 from .._args import check_count, check_seconds
 from ._probe import Clock, plain_step_ms, run_for
+from ._rounds import calm
 from .costs import Choice
 from .model import Profile, estimate
 
@@ -63,6 +64,12 @@ __all__ = [
 # scaling the device's recomputation moves the model's step by less than
 # ``DEVICE_BOUND_SHARE`` of it: on those two models' profiles it moved it by 0.15 and
 # 0.73 of it, on compare's model by all of it.
+# Nor where the host ran slow while the ratio was read: on the Llama, with the profile's
+# rounds calm enough for the model to take the recomputation as the device's, one
+# reading in a slow phase (probe 12 ms against 5.5 calm) gave a factor of 1.438, and the
+# model read recomputing every layer 18.6% slow. So each reading of the ratio counts only
+# if the host probe beside it read calm against the profile's rounds
+# (``_rounds.calm``); with none, the ratio is not known and nothing is scaled.
 
 #: Seconds of untimed steps back to back before a reading at the pace of steady
 #: training: :func:`steady_pace`'s default, and what ``cpu-offload plan`` and
@@ -93,6 +100,8 @@ def steady_pace(
     warm_s: float = WARMUP_S,
     pause_s: float = 0.05,
     recompute: Callable[[], contextlib.AbstractContextManager] | None = None,
+    probe: Callable[[], float] | None = None,
+    calm_ms: float = math.nan,
 ) -> SteadyPace:
     """Plain steps back to back against steps right after a pause, and, given
     ``recompute``, against steps with every layer recomputed, back to back.
@@ -105,12 +114,17 @@ def steady_pace(
         warm_s: Seconds of untimed steps back to back before each steady reading.
         pause_s: Seconds the device idles before each reading after a pause.
         recompute: Returns a context manager under which every layer is recomputed.
+        probe: Times a fixed piece of the host's work (``_probe.host_probe_ms``), read
+            before and after each reading of the ratio.
+        calm_ms: The host's calm reference (``_rounds.calm_reference``): a reading of
+            the ratio counts only where ``probe`` read calm against it (NOTE
+            [Recomputation at the pace of steady training]). NaN: every reading counts.
 
     Returns:
         The medians over ``pairs`` (NOTE [A GPU at its power limit], NOTE
         [Recomputation at the pace of steady training]); the factor at least 1.0, the
-        ratio None where no steady step took any time. ``SteadyPace()`` on the CPU
-        stand-in, which reads nothing.
+        ratio None where no steady step took any time or no reading was calm.
+        ``SteadyPace()`` on the CPU stand-in, which reads nothing.
 
     Raises:
         ValueError: If ``steps`` or ``pairs`` is not an int >= 1, or ``warm_s`` or
@@ -129,11 +143,13 @@ def steady_pace(
 
     factors, ratios = [], []
     for _ in range(pairs):
+        before = probe() if probe is not None else math.nan
         steady = fastest(warm_s)
         if recompute is not None:
             with recompute():
                 again = fastest(warm_s)
-            if steady > 0:
+            host = max(before, probe()) if probe is not None else math.nan
+            if steady > 0 and calm([host], calm_ms)[0]:
                 ratios.append(again / steady)
         torch.cuda.synchronize()
         time.sleep(pause_s)

@@ -23,6 +23,7 @@ from ._parts_host import part_probes, with_part_host
 from ._probe import (
     Clock,
     StepTimes,
+    host_probe_ms,
     median_times,
     plain_step_ms,
     probed,
@@ -212,7 +213,12 @@ class HostAndDevice(Together):
         # The device's times at the pace of steady training (NOTE [A GPU at its power
         # limit] in ``_clock.py``): these were timed after pauses or held back.
         steady = steady_pace(
-            self.step, self.clock, self.steps, recompute=self._recompute_all if recompute else None
+            self.step,
+            self.clock,
+            self.steps,
+            recompute=self._recompute_all if recompute else None,
+            probe=host_probe_ms,
+            calm_ms=self.calm_probe_ms,
         )
         pace = self.pace_factor = steady.factor
         self.recompute_ratio = steady.recompute_ratio
