@@ -194,11 +194,46 @@ def test_a_recast_plan_applies_bit_identical_on_a_real_block() -> None:
     plan = Plan((C, C, K), 1 << 40, 0.0, 0, profile)
     with apply_plan(layers, plan, min_tensor_size_to_offload=1024) as handle:
         assert handle.recast == (0, 1)
-        assert_bit_equal(step(layers, _input), want)
-        assert [k.state.recast_bytes for k in handle._runner.recast.values()] == [PROBS_BYTES] * 2
+        kept = list(handle._runner.recast.values())
+
+        def casts_let_go() -> None:
+            assert [k.last_state.recast_bytes for k in kept] == [PROBS_BYTES] * 2
+
+        assert_bit_equal(step(layers, _input, between=casts_let_go), want)
 
 
 def _run(layers: torch.nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
     for layer in layers:
         x = layer(x)
     return x.float().square().mean()
+
+
+def test_a_tighter_plan_from_the_budget_check_keeps_its_recast_layers() -> None:
+    import warnings
+
+    from helpers import step
+
+    from cpu_offload import offload_layers
+    from cpu_offload.plan import BudgetCheck, search
+
+    profile = Profile((CAST,) * 3, Link(1e-6, 1e-6))
+    keep_peak = estimate(profile, [K] * 3).peak_bytes
+    plan = search(profile, keep_peak)  # every layer kept
+
+    class Over:  # the first step measured 80 bytes over the budget
+        def reset(self) -> None:
+            pass
+
+        def peak(self) -> int:
+            return keep_peak + 80
+
+    layers = _layers(3)
+    with offload_layers(layers, offloaded=[], min_tensor_size_to_offload=1024) as handle:
+        watch = BudgetCheck(handle, plan, slack=0.0, memory=Over())
+        handle.watch_steps(watch)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            step(layers, _input)
+            step(layers, _input)  # the tighter plan runs from here
+        assert C in watch.plan.choices
+        assert handle.recast == watch.plan.recast

@@ -382,8 +382,12 @@ class Runner:
 def _kept_run(kept: KeptLayer, run: Callable[[], Any]) -> Any:
     """``run()`` with what it saves for backward held by ``kept``, its saved casts let
     go at the end (NOTE [A kept layer's casts] in ``cpu_offload/engine/kept_layer.py``)."""
-    with kept.saving():
-        out = run()
+    try:
+        with kept.saving():
+            out = run()
+    except BaseException:
+        kept.abandon()
+        raise
     kept.finish()
     return out
 

@@ -35,7 +35,7 @@ from .layout import TensorLayout
 from .recast import CastRef, find_casts
 from .selection import is_dense
 
-__all__ = ["CastRef", "GroupPlan", "SavedEntry", "TensorGroupProcessor", "Unit"]
+__all__ = ["CastRef", "GroupPlan", "KeptRef", "SavedEntry", "TensorGroupProcessor", "Unit"]
 
 #: Views are replaced by their base only when they hold at least this share of it, so
 #: that a small slice never drags a large base through the link.
@@ -104,7 +104,9 @@ class _UnitRef:
 
 
 @dataclass(frozen=True)
-class _KeptRef:
+class KeptRef:
+    """A saved tensor served as it is, from the device (not restorable from units)."""
+
     tensor: torch.Tensor
 
 
@@ -117,7 +119,7 @@ class _SubclassRef:
     inner: dict[str, _Ref]
 
 
-_Ref = _UnitRef | _KeptRef | _SubclassRef | CastRef
+_Ref = _UnitRef | KeptRef | _SubclassRef | CastRef
 
 
 @dataclass
@@ -195,7 +197,7 @@ class GroupPlan:
         """Serve pushed id ``index`` from ``tensor`` itself instead of its units."""
         for u in self.unit_ids(self.refs[index]):
             self.units[u].pending_pops -= 1
-        self.refs[index] = _KeptRef(tensor)
+        self.refs[index] = KeptRef(tensor)
 
     def unit_ids(self, ref: _Ref) -> list[int]:
         """The units ``ref`` is rebuilt from."""
@@ -358,7 +360,7 @@ class TensorGroupProcessor:
     def _flatten(self, tensor: torch.Tensor, entry: SavedEntry, leaves: list[_Leaf]) -> object:
         # A template mirrors the nesting of wrapper subclasses; ints are leaf indices.
         if entry.keep:
-            return _KeptRef(tensor)
+            return KeptRef(tensor)
         if _is_wrapper(tensor):
             names, ctx = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
             inner = {n: self._flatten(getattr(tensor, n), entry, leaves) for n in names}
@@ -369,7 +371,7 @@ class TensorGroupProcessor:
     def _resolve(self, template: object, leaf_refs: dict[int, _Ref], alias: list[int]) -> _Ref:
         if isinstance(template, int):
             return leaf_refs[alias[template]]
-        if isinstance(template, _KeptRef):
+        if isinstance(template, KeptRef):
             return template
         assert isinstance(template, tuple)
         cls, ctx, size, stride, inner = template
@@ -440,7 +442,7 @@ class TensorGroupProcessor:
         if is_dense(tensor):
             return _UnitRef(self._add_unit(plan, tensor, leaf), None)
         self._warn_kept(tensor)
-        return _KeptRef(tensor)
+        return KeptRef(tensor)
 
     @staticmethod
     def _add_unit(plan: GroupPlan, tensor: torch.Tensor, leaf: _Leaf) -> int:
@@ -468,7 +470,7 @@ class TensorGroupProcessor:
     def restore(plan: GroupPlan, ref: _Ref, stream: Hashable = None) -> torch.Tensor:
         """Rebuild the tensor of ``ref`` from the reloaded units of ``plan``, for a read
         on ``stream`` (the current one)."""
-        if isinstance(ref, _KeptRef):
+        if isinstance(ref, KeptRef):
             return ref.tensor
         if isinstance(ref, CastRef):
             source: Any = ref.source
