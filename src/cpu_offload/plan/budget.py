@@ -21,6 +21,7 @@ from .._log import logger
 from .._warn import warn_at_caller
 from ..compare.report import format_bytes as _size
 from ..layers import OffloadedLayers, sync_first
+from .costs import offload_layers_arguments
 from .search import NoPlanFits, Plan, search
 
 __all__ = ["BudgetCheck", "CudaPeak", "PeakMemory", "PlanOverBudget"]
@@ -153,9 +154,7 @@ class BudgetCheck:
 
             plan, self._pending = self._pending, None
             with as_modelled():
-                self.handle.reassign(
-                    offloaded=plan.offloaded, recomputed=plan.recomputed, parts=plan.parts
-                )
+                self.handle.reassign(**offload_layers_arguments(plan.choices))
             self.plan = plan
         if self.done:
             return
