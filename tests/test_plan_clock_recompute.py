@@ -245,7 +245,9 @@ def _recorded_runner(monkeypatch: pytest.MonkeyPatch, got: SteadyPace) -> list[A
         runners.append(self)
         return real(self, *args)
 
-    def steady(step: Any, clock: Any, steps: int, recompute: Any = None) -> SteadyPace:
+    def steady(
+        step: Any, clock: Any, steps: int, recompute: Any = None, **judged: Any
+    ) -> SteadyPace:
         calls.append(recompute)
         return got if recompute is not None else SteadyPace(got.factor)
 

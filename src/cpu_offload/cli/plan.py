@@ -115,8 +115,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--no-parts",
         action="store_true",
-        help="plan whole layers only (by default each layer's parts, such as its attention "
-        "core and its MLP, may be kept, offloaded or recomputed on their own)",
+        help="keep, offload or recompute whole layers only (by default each layer's parts, "
+        "such as its attention core and its MLP, may be kept, offloaded or recomputed on "
+        "their own, and a kept layer may cast its saved casts again in backward)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(run=run, command_parser=p)
@@ -239,6 +240,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: Sequen
         f"Plan for the {n} layers of {workload.description} on {profile.device}, budget {_gib(budget)} GiB "
         f"({budget / keep.peak_bytes:.2f} of the modelled peak without offloading); "
         f"offloaded layers {list(plan.offloaded)}, recomputed {list(plan.recomputed)}"
+        + (f", casts rebuilt {list(plan.recast)}" if plan.recast else "")
         + (f", part by part {sorted(plan.parts)}." if plan.parts else ".")
     )
     if not gpu:

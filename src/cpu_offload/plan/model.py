@@ -182,7 +182,8 @@ def _checked_choice(
     except ValueError:
         pass
     names = ", ".join(repr(x.value) for x in allowed)
-    raise ValueError(f"{name} must be one of {names}; got {choice!r}") from None
+    given = choice.value if isinstance(choice, Choice) else choice
+    raise ValueError(f"{name} must be one of {names}; got {given!r}") from None
 
 
 def _checked_parts(i: int, given: Parts | Mapping, cost: LayerCost | None) -> Parts:
