@@ -82,12 +82,9 @@ class HostCost:
             self.forward_ms,
             choice,
             self.offload_forward_ms,
-            # Kept with its casts rebuilt: the engine's pack hooks and grouping, no copies
-            # or events (on workload D the step rose by the casts' device time alone);
-            # counted as the offload context's share of a kept layer.
-            self.engaged_forward_ms,
             self.recompute_forward_ms,
-            self.engaged_forward_ms if engaged else 0.0,
+            self.engaged_forward_ms,
+            engaged,
         )
 
     def backward(self, choice: Choice, engaged: bool = False) -> float:
@@ -97,11 +94,9 @@ class HostCost:
             self.backward_ms,
             choice,
             self.offload_backward_ms,
-            # Kept with its casts rebuilt: the engine's unpack hooks, no reloads to queue
-            # or wait for; counted as the offload context's share of a kept layer.
-            self.engaged_backward_ms,
             self.recompute_backward_ms,
-            self.engaged_backward_ms if engaged else 0.0,
+            self.engaged_backward_ms,
+            engaged,
         )
 
 
@@ -109,17 +104,19 @@ def _plus(
     kept_ms: float,
     choice: Choice,
     offload_ms: float,
-    recast_ms: float,
     recompute_ms: float,
     engaged_ms: float,
+    engaged: bool,
 ) -> float:
     # Called for every layer of every plan the search scores: plain branches, no lookups.
     if choice is Choice.OFFLOAD:
         kept_ms += offload_ms
-    elif choice is Choice.RECAST:
-        kept_ms += recast_ms
     else:
-        kept_ms += engaged_ms
+        # A layer kept with its casts rebuilt runs the engine's hooks and grouping, with
+        # no copies or events (on workload D the step rose by the casts' device time
+        # alone): the offload context's share of a kept layer, engaged or not.
+        if engaged or choice is Choice.RECAST:
+            kept_ms += engaged_ms
         if choice is Choice.RECOMPUTE:
             kept_ms += recompute_ms
     return max(kept_ms, 0.0)
