@@ -106,8 +106,8 @@ class KeptLayer:
     kept layer's casts]).
 
     Enter :meth:`saving` around each forward with grad enabled, and call :meth:`finish`
-    after it, also when the forward raised; backward reads the tensors through the cells
-    the hooks gave autograd.
+    after it, or :meth:`abandon` when the forward raised; backward reads the tensors
+    through the cells the hooks gave autograd.
 
     Args:
         name: The layer's name in messages.
@@ -166,8 +166,8 @@ class KeptLayer:
 
     @outside_compile
     def finish(self) -> None:
-        """At the end of the forward (whether or not it raised): find the saved casts and
-        let them go, and hold detached aliases of the rest from now on."""
+        """At the end of a forward that completed: find the saved casts and let them go,
+        and hold detached aliases of the rest from now on."""
         state, self._current = self._current, None
         if state is None:
             return
