@@ -182,7 +182,7 @@ def test_profile_measures_the_host_apart_when_asked() -> None:
     assert all(h is not None for h in hosts)
     for h in hosts:
         assert h is not None and h.forward_ms > 0 and h.backward_ms > 0
-        assert min(vars(h).values()) >= 0
+        assert min(v for v in vars(h).values() if v is not None) >= 0
     # Recomputing costs the host at least part of a forward again in backward.
     assert sum(h.recompute_backward_ms for h in hosts if h is not None) > 0
     assert profile_model(model, lambda: model(x).sum(), steps=1).layers[0].host is None

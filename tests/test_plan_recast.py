@@ -99,6 +99,38 @@ def test_compare_simulation_frees_casts_and_save_on_cpu_still_copies_them() -> N
 
 
 @pytest.mark.usefixtures("one_torch_thread")
+def test_a_host_profile_times_the_layers_kept_with_their_casts_rebuilt() -> None:
+    layers = _layers(3)
+    x = _input()
+    profile = profile_model(
+        layers,
+        lambda: _run(layers, x),
+        steps=1,
+        warmup=0,
+        host=True,
+        recompute=False,
+        min_tensor_size_to_offload=256,
+    )
+    host = profile.layers[0].host
+    assert host is not None
+    assert host.recast_forward_ms is not None and host.recast_backward_ms is not None
+    # A hook per saved tensor and the search for casts: more than nothing.
+    assert host.recast_forward_ms + host.recast_backward_ms > 0
+    # Layers without casts: no rounds for them, and no figure.
+    plain = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(3)])
+    y = torch.randn(256, 64)
+    other = profile_model(
+        plain,
+        lambda: plain(y).square().mean(),
+        steps=1,
+        warmup=0,
+        host=True,
+        min_tensor_size_to_offload=1024,
+    )
+    assert other.layers[0].host is not None and other.layers[0].host.recast_forward_ms is None
+
+
+@pytest.mark.usefixtures("one_torch_thread")
 def test_profiles_find_the_casts_of_a_real_block() -> None:
     layers = _layers(3)
 
@@ -139,6 +171,28 @@ def test_a_recast_layer_frees_its_casts_for_the_time_of_casting_them() -> None:
     assert recast.stall_ms == 0
 
 
+def test_a_recast_layer_costs_the_host_what_the_profile_timed_for_it() -> None:
+    from dataclasses import replace
+
+    from cpu_offload.plan.model import HostCost
+
+    # Host-bound: the host takes 4 ms a layer where the device takes 3.
+    engaged = HostCost(2.0, 2.0, engaged_forward_ms=0.25, engaged_backward_ms=0.25)
+    timed = replace(engaged, recast_forward_ms=1.0, recast_backward_ms=0.5)
+    for host, added in ((engaged, 0.5), (timed, 1.5)):
+        cost = replace(CAST, host=host)
+        both = host.forward(C) + host.backward(C) - host.forward(K) - host.backward(K)
+        assert both == pytest.approx(added)
+        profile = Profile((cost,) * 4, Link(1e-6, 1e-6))
+        keep, recast = estimate(profile, [K] * 4), estimate(profile, [C, C, C, K])
+        # Three layers add their host time; the casts' device time hides under it.
+        assert recast.step_ms - keep.step_ms == pytest.approx(3 * added)
+    # An offloaded layer elsewhere does not add the engaged share to a recast layer: its
+    # own hooks are the ones that run.
+    assert timed.forward(C, engaged=True) == timed.forward(C) == 3.0
+    assert timed.forward(K, engaged=True) == 2.25
+
+
 def test_search_rebuilds_casts_where_that_is_cheapest_and_only_when_finer() -> None:
     from cpu_offload.plan import NoPlanFits, search
     from cpu_offload.plan.search import brute_force
@@ -176,6 +230,17 @@ def test_plan_files_keep_recast_choices_and_times(tmp_path) -> None:
     loaded = load_plan(tmp_path / "p.json")
     assert loaded.choices == (C, OFF, K) and loaded.describe() == "COK"
     assert loaded.profile is not None and loaded.profile.layers[0].recast_ms == 0.25
+    from dataclasses import replace
+
+    from cpu_offload.plan.model import HostCost
+
+    # The host's time of a recast layer, where measured, and None where not.
+    for timed in (None, 0.75):
+        host = HostCost(1.0, 1.0, recast_forward_ms=timed, recast_backward_ms=timed)
+        plan = Plan((C, K), 10_000, 1.0, 100, Profile((replace(CAST, host=host),) * 2, Link(1, 1)))
+        save_plan(plan, tmp_path / "h.json")
+        got = load_plan(tmp_path / "h.json").profile
+        assert got is not None and got.layers[0].host == host
 
 
 def test_a_recast_plan_applies_bit_identical_on_a_real_block() -> None:
@@ -191,6 +256,7 @@ def test_a_recast_plan_applies_bit_identical_on_a_real_block() -> None:
     )
     assert [c.recast_bytes for c in profile.layers] == [PROBS_BYTES] * 3
     assert all(c.recast_ms > 0 for c in profile.layers)
+    assert all(c.host is None for c in profile.layers)  # no host lane on the CPU
     plan = Plan((C, C, K), 1 << 40, 0.0, 0, profile)
     with apply_plan(layers, plan, min_tensor_size_to_offload=1024) as handle:
         assert handle.recast == (0, 1)

@@ -70,7 +70,8 @@ class Together:
         from ..layers import offload_layers
 
         parts = kwargs.get("parts") or {}
-        if kwargs.get("offloaded") or any("offload" in p.values() for p in parts.values()):
+        moves = kwargs.get("offloaded") or any("offload" in p.values() for p in parts.values())
+        if moves or kwargs.get("recast"):
             kwargs["min_tensor_size_to_offload"] = self.min_tensor_size_to_offload
         clock = Clock(self.clock.cuda, events=False)
         with offload_layers(self.layers, **kwargs):
@@ -193,6 +194,10 @@ class HostAndDevice(Together):
         if n > 1:
             # Half the layers (at least one, never the last) through the engine.
             configs["offload"] = {"offloaded": range(m), "recomputed": ()}
+        recast = tuple(j for j, c in enumerate(costs) if c.recast_bytes > 0)
+        if recast:
+            # Every layer with saved casts kept with its casts rebuilt.
+            configs["recast"] = {"offloaded": (), "recomputed": (), "recast": recast}
         every_round, plain_rounds, probes = self._rounds(configs)
         # The device's times and the plain step from the rounds of the fast phase.
         fast = fast_rounds(plain_rounds, self.FAST_PHASE)
@@ -262,6 +267,15 @@ class HostAndDevice(Together):
                 picked(rounds["offload"], both), picked(rounds["keep"], both), n, m
             )
             host = replace(host, **extras)
+        if "recast" in rounds:
+            both = host_rounds(pace, ref, probes["recast"], probes["keep"])
+            rebuilt, plain = picked(rounds["recast"], both), picked(rounds["keep"], both)
+            count = sum(1 for c in got.costs if c.recast_bytes > 0)
+            host = replace(
+                host,
+                recast_forward_ms=extra(rebuilt, plain, "host_forward", count, lead=True),
+                recast_backward_ms=extra(rebuilt, plain, "host_backward", count),
+            )
         layers = tuple(
             replace(
                 c,

@@ -182,14 +182,14 @@ class _Reader:
 
 
 def _host_from(r: _Reader) -> HostCost:
-    # Fields with a default are absent from files written before they were measured.
-    return HostCost(
-        **{
-            f.name: r.number(f.name)
-            for f in fields(HostCost)
-            if f.name in r.data or f.default is MISSING
-        }
-    )
+    # Fields with a default are absent from files written before they were measured;
+    # those whose default is None are null where not measured.
+    values: dict[str, Any] = {
+        f.name: r.optional_number(f.name) if f.default is None else r.number(f.name)
+        for f in fields(HostCost)
+        if f.name in r.data or f.default is MISSING
+    }
+    return HostCost(**values)
 
 
 def _storages_from(r: _Reader) -> tuple[Storage, ...]:
