@@ -93,3 +93,25 @@ def test_recast_layers_bit_identical_and_lower_by_their_casts(k, deterministic):
     # Each recast layer's cast is gone from its forward's end to its own backward.
     assert kept_peak - got_peak >= (k - 1) * probs
     assert got_peak < kept_peak
+
+
+def test_profile_times_the_host_of_layers_kept_with_their_casts_rebuilt():
+    from cpu_offload.plan import Choice, estimate, profile_model
+
+    layers = _layers(4)
+    x = _input()
+
+    def run() -> torch.Tensor:
+        h = x
+        for layer in layers:
+            h = layer(h)
+        return h.float().square().mean()
+
+    profile = profile_model(layers, run, steps=2, recompute=False)
+    for cost in profile.layers:
+        assert cost.recast_bytes > 0 and cost.host is not None
+        recast = (cost.host.recast_forward_ms, cost.host.recast_backward_ms)
+        assert None not in recast and min(recast) >= 0 and sum(recast) > 0
+    keep = estimate(profile, [Choice.KEEP] * 4)
+    recast = estimate(profile, [Choice.RECAST] * 3 + [Choice.KEEP])
+    assert recast.peak_bytes < keep.peak_bytes
