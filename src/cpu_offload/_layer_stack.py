@@ -6,9 +6,10 @@ from collections.abc import Iterable, Sequence
 
 from torch import nn
 
-from ._args import has_duplicates
+from ._args import check_int, has_duplicates
+from ._switch import use_v1
 
-__all__ = ["LAYER_PATHS", "find_layers", "offload_schedule", "check_indices"]
+__all__ = ["LAYER_PATHS", "check_indices", "checked_sets", "find_layers", "offload_schedule"]
 
 #: Attribute paths tried, in order, on a whole model: Hugging Face decoders
 #: (``model.model.layers``, GPT-2's ``model.transformer.h``, OPT's
@@ -152,3 +153,53 @@ def offload_schedule(
         else:
             schedule[layer] = (False, n - 1, False, min(layer + 1, n - 1))
     return schedule
+
+
+def _offloaded_set(
+    num_offloaded: int | None, offloaded: Iterable[int] | None, n: int
+) -> frozenset[int]:
+    if num_offloaded is not None and offloaded is not None:
+        raise ValueError(
+            "offload_layers: pass num_offloaded (the first k layers) or offloaded "
+            "(explicit layer indices), not both"
+        )
+    if offloaded is not None:
+        return check_indices("offloaded", offloaded, n)
+    if num_offloaded is None:
+        return frozenset()
+    check_int("num_offloaded", num_offloaded)
+    v1 = use_v1()
+    top = n if v1 else n - 1  # V2 keeps at least one layer's activations on the GPU
+    if not 0 <= num_offloaded <= top:
+        why = "V1 backend" if v1 else "V2 backend, which keeps one layer's activations on the GPU"
+        raise ValueError(
+            f"num_offloaded must be in [0, {top}] for a stack of {n} layers under the "
+            f"{why}, got {num_offloaded}"
+        )
+    return frozenset(range(num_offloaded))
+
+
+def checked_sets(
+    num_offloaded: int | None,
+    offloaded: Iterable[int] | None,
+    recomputed: Iterable[int],
+    recast: Iterable[int],
+    n: int,
+) -> tuple[frozenset[int], frozenset[int], frozenset[int]]:
+    """The offloaded, the recomputed and the recast layer indices, checked and disjoint."""
+    offloaded_set = _offloaded_set(num_offloaded, offloaded, n)
+    recomputed_set = check_indices("recomputed", recomputed, n)
+    recast_set = check_indices("recast", recast, n)
+    for (a, a_set), (b, b_set) in (
+        (("offloaded", offloaded_set), ("recomputed", recomputed_set)),
+        (("offloaded", offloaded_set), ("recast", recast_set)),
+        (("recomputed", recomputed_set), ("recast", recast_set)),
+    ):
+        both = sorted(a_set & b_set)
+        if both:
+            raise ValueError(
+                f"offload_layers: layers {both} are in both {a} and {b}; give each layer "
+                "one of offloaded, recomputed and recast (an offloaded layer's casts are "
+                "rebuilt already, a recomputed one saves none)"
+            )
+    return offloaded_set, recomputed_set, recast_set

@@ -14,12 +14,12 @@ from typing import Any
 
 from torch import nn
 
-from ._args import check_int, check_min_tensor_size
+from ._args import check_min_tensor_size
 from ._compat import in_backward
 from ._compile import keep_engine_out_of_compile
 from ._layer_parts import Choice, PartPlan, check_parts
 from ._layer_runner import PartRunner, Runner, StepWatch, sync_first
-from ._layer_stack import check_indices, find_layers, offload_schedule
+from ._layer_stack import checked_sets, find_layers, offload_schedule
 from ._layer_wrap import Patch, patch_layer, wrap_of
 from ._log import logger
 from ._switch import ENV_VAR, use_v1
@@ -156,7 +156,7 @@ class OffloadedLayers:
             ValueError: As :func:`offload_layers` for the same indices.
         """
         self._check_usable("reassign")
-        offloaded_set, recomputed_set, recast_set = _checked_sets(
+        offloaded_set, recomputed_set, recast_set = checked_sets(
             None, offloaded, recomputed, recast, self.num_layers
         )
         # The parts this handle wraps now may be parts of the new plan too.
@@ -259,56 +259,6 @@ class OffloadedLayers:
             + (f"recast={list(self.recast)}, " if self.recast else "")
             + f"backend={self.backend!r}, active={self.active})"
         )
-
-
-def _offloaded_set(
-    num_offloaded: int | None, offloaded: Iterable[int] | None, n: int
-) -> frozenset[int]:
-    if num_offloaded is not None and offloaded is not None:
-        raise ValueError(
-            "offload_layers: pass num_offloaded (the first k layers) or offloaded "
-            "(explicit layer indices), not both"
-        )
-    if offloaded is not None:
-        return check_indices("offloaded", offloaded, n)
-    if num_offloaded is None:
-        return frozenset()
-    check_int("num_offloaded", num_offloaded)
-    v1 = use_v1()
-    top = n if v1 else n - 1  # V2 keeps at least one layer's activations on the GPU
-    if not 0 <= num_offloaded <= top:
-        why = "V1 backend" if v1 else "V2 backend, which keeps one layer's activations on the GPU"
-        raise ValueError(
-            f"num_offloaded must be in [0, {top}] for a stack of {n} layers under the "
-            f"{why}, got {num_offloaded}"
-        )
-    return frozenset(range(num_offloaded))
-
-
-def _checked_sets(
-    num_offloaded: int | None,
-    offloaded: Iterable[int] | None,
-    recomputed: Iterable[int],
-    recast: Iterable[int],
-    n: int,
-) -> tuple[frozenset[int], frozenset[int], frozenset[int]]:
-    """The offloaded, the recomputed and the recast layer indices, checked and disjoint."""
-    offloaded_set = _offloaded_set(num_offloaded, offloaded, n)
-    recomputed_set = check_indices("recomputed", recomputed, n)
-    recast_set = check_indices("recast", recast, n)
-    for (a, a_set), (b, b_set) in (
-        (("offloaded", offloaded_set), ("recomputed", recomputed_set)),
-        (("offloaded", offloaded_set), ("recast", recast_set)),
-        (("recomputed", recomputed_set), ("recast", recast_set)),
-    ):
-        both = sorted(a_set & b_set)
-        if both:
-            raise ValueError(
-                f"offload_layers: layers {both} are in both {a} and {b}; give each layer "
-                "one of offloaded, recomputed and recast (an offloaded layer's casts are "
-                "rebuilt already, a recomputed one saves none)"
-            )
-    return offloaded_set, recomputed_set, recast_set
 
 
 def _make_context(
@@ -494,7 +444,7 @@ def offload_layers(
             f"offload_layers sets {', '.join(own)} itself from the layers and the indices; "
             "pass num_offloaded or offloaded instead"
         )
-    offloaded_set, recomputed_set, recast_set = _checked_sets(
+    offloaded_set, recomputed_set, recast_set = checked_sets(
         num_offloaded, offloaded, recomputed, recast, n
     )
     part_plan = check_parts(parts, layers, offloaded_set | recomputed_set | recast_set)
