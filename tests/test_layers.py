@@ -329,6 +329,17 @@ def test_errors_name_the_argument(monkeypatch):
         offload_layers(model)
     with pytest.raises(TypeError, match="sets model_layers, num_layers itself"):
         offload_layers(model, 1, num_layers=2, model_layers=4)
+    # A misspelled context argument fails at the call, with or without an offloaded
+    # layer (none makes no context, and a later reassign would have been the first to
+    # see it); nothing stays wrapped.
+    for choice in ({"num_offloaded": 1}, {"recomputed": [0]}, {"recast": [0]}):
+        with pytest.raises(
+            TypeError,
+            match="an unexpected keyword argument 'min_tensor_size_to_ofload'; the "
+            "offload context takes .*min_tensor_size_to_offload, transport",
+        ):
+            offload_layers(model, min_tensor_size_to_ofload=4, **choice)
+    offload_layers(model, recomputed=[0], min_tensor_size_to_offload=4).remove()
     with pytest.raises(ValueError, match="could not find the layer stack of Linear"):
         offload_layers(nn.Linear(2, 2), 1)
     with pytest.raises(TypeError, match="entry 1 of the layer sequence"):

@@ -8,6 +8,7 @@ function, by replacing the ``forward`` of each layer instance (not of its class)
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Mapping
 from types import TracebackType
 from typing import Any
@@ -299,6 +300,30 @@ def _make_context(
     return context, sync
 
 
+def _check_context_names(context_kwargs: Mapping[str, Any]) -> None:
+    """Refuse a keyword argument :func:`cpu_offload.get_cpu_offload_context` does not
+    take, at the call: without an offloaded layer no context is made, and a misspelled
+    name would otherwise pass unseen until a later ``reassign`` offloads one."""
+    from . import get_cpu_offload_context  # the package imports this module
+
+    known = [
+        name
+        for name in inspect.signature(get_cpu_offload_context).parameters
+        if name not in _OWN_ARGUMENTS
+    ]
+    unknown = sorted(set(context_kwargs) - set(known))
+    if unknown:
+        what = (
+            "an unexpected keyword argument"
+            if len(unknown) == 1
+            else "unexpected keyword arguments"
+        )
+        raise TypeError(
+            f"offload_layers got {what} {', '.join(map(repr, unknown))}; the offload "
+            f"context takes {', '.join(known)}"
+        )
+
+
 def layer_runner(
     num_layers: int,
     offloaded: frozenset[int],
@@ -420,7 +445,9 @@ def offload_layers(
 
     Raises:
         TypeError: If the layers cannot be found in what was passed, an index is not an
-            int, or ``context_kwargs`` names an argument this function sets itself.
+            int, or ``context_kwargs`` names an argument this function sets itself or
+            one the offload context does not take (checked even when no layer is
+            offloaded).
         ValueError: If both ``num_offloaded`` and ``offloaded`` are given, none of them,
             ``recomputed`` and ``parts`` asks for anything, an index is out of range, a
             layer is both offloaded and recomputed (or given parts too), a part is not a
@@ -444,6 +471,7 @@ def offload_layers(
             f"offload_layers sets {', '.join(own)} itself from the layers and the indices; "
             "pass num_offloaded or offloaded instead"
         )
+    _check_context_names(context_kwargs)
     offloaded_set, recomputed_set, recast_set = checked_sets(
         num_offloaded, offloaded, recomputed, recast, n
     )
