@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine_recast import PROBS_BYTES, _input, _layers
+from test_engine_recast import HIDDEN, PROBS_BYTES, SoftmaxInFp32, _input, _layers
 
 from cpu_offload.compare.simulate import LayerProfile, simulate
 from cpu_offload.plan import profile_model
@@ -128,6 +128,54 @@ def test_a_host_profile_times_the_layers_kept_with_their_casts_rebuilt() -> None
         min_tensor_size_to_offload=1024,
     )
     assert other.layers[0].host is not None and other.layers[0].host.recast_forward_ms is None
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_the_recast_round_takes_the_layers_with_casts_at_the_profiles_threshold(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import cpu_offload.layers
+    import cpu_offload.plan._timing as timing
+
+    calls: list[dict] = []  # type: ignore[type-arg]
+    real_offload, real_extra = cpu_offload.layers.offload_layers, timing.extra
+
+    def offload_layers(layers, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(kwargs)
+        return real_offload(layers, **kwargs)
+
+    per: dict[str, list[int]] = {}
+
+    def extra(variant, kept, field, count, *args, **kwargs):  # type: ignore[no-untyped-def]
+        per.setdefault(field, []).append(count)
+        return real_extra(variant, kept, field, count, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_offload.layers, "offload_layers", offload_layers)
+    monkeypatch.setattr(timing, "extra", extra)
+    # Layers 0 and 2 save a cast; 1 and 3 (a linear layer and a GELU) do not.
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(
+        [SoftmaxInFp32(), torch.nn.Linear(HIDDEN, HIDDEN), SoftmaxInFp32(), torch.nn.GELU()]
+    ).to(torch.bfloat16)
+    x = _input()
+    profile = profile_model(
+        layers,
+        lambda: _run(layers, x),
+        steps=1,
+        warmup=0,
+        host=True,
+        recompute=False,
+        min_tensor_size_to_offload=256,
+    )
+    assert [c.recast_bytes > 0 for c in profile.layers] == [True, False, True, False]
+    rounds = [kw for kw in calls if kw.get("recast")]
+    assert rounds and all(kw["recast"] == (0, 2) for kw in rounds)
+    # At the profile's threshold, as every plan applies it (the default would find no
+    # cast this small and time nothing).
+    assert all(kw.get("min_tensor_size_to_offload") == 256 for kw in rounds)
+    # Shared out among the two recast layers, not the four.
+    counts = [per[f][-1] for f in ("host_forward", "host_backward")]
+    assert counts == [2, 2]
 
 
 @pytest.mark.usefixtures("one_torch_thread")

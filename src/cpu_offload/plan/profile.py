@@ -11,8 +11,9 @@ Times are measured one of two ways (:mod:`._timing`):
 
 * *Host and device apart* (the default on CUDA): the host's time per layer (hooks on the
   wall clock) and the device's (CUDA events, the stream held back until the host has
-  enqueued the layer), for kept layers, for every layer recomputed, and for half the
-  layers offloaded: what recomputing and offloading add on each side. The device's
+  enqueued the layer), for kept layers, for every layer recomputed, for half the layers
+  offloaded, and, where layers save casts, for those layers kept with their casts
+  rebuilt: what recomputing, offloading and rebuilding casts add on each side. The device's
   times are scaled to its pace in plain steps back to back, which a GPU at its power
   limit runs slower than steps after a pause, and, where the device bounds the
   recomputation, its cost to what plain steps with every layer recomputed take back to
