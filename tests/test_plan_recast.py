@@ -98,11 +98,10 @@ def test_compare_simulation_frees_casts_and_save_on_cpu_still_copies_them() -> N
     assert (a.peak_bytes, a.step_ms) == (b.peak_bytes, b.step_ms)
 
 
-@pytest.mark.usefixtures("one_torch_thread")
-def test_a_host_profile_times_the_layers_kept_with_their_casts_rebuilt() -> None:
-    layers = _layers(3)
+def _host_profile(layers: torch.nn.ModuleList) -> Profile:
+    """A profile with the host's time apart (on the CPU), at a threshold the casts pass."""
     x = _input()
-    profile = profile_model(
+    return profile_model(
         layers,
         lambda: _run(layers, x),
         steps=1,
@@ -111,6 +110,11 @@ def test_a_host_profile_times_the_layers_kept_with_their_casts_rebuilt() -> None
         recompute=False,
         min_tensor_size_to_offload=256,
     )
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_host_profile_times_the_layers_kept_with_their_casts_rebuilt() -> None:
+    profile = _host_profile(_layers(3))
     host = profile.layers[0].host
     assert host is not None
     assert host.recast_forward_ms is not None and host.recast_backward_ms is not None
@@ -157,16 +161,7 @@ def test_the_recast_round_takes_the_layers_with_casts_at_the_profiles_threshold(
     layers = torch.nn.ModuleList(
         [SoftmaxInFp32(), torch.nn.Linear(HIDDEN, HIDDEN), SoftmaxInFp32(), torch.nn.GELU()]
     ).to(torch.bfloat16)
-    x = _input()
-    profile = profile_model(
-        layers,
-        lambda: _run(layers, x),
-        steps=1,
-        warmup=0,
-        host=True,
-        recompute=False,
-        min_tensor_size_to_offload=256,
-    )
+    profile = _host_profile(layers)
     assert [c.recast_bytes > 0 for c in profile.layers] == [True, False, True, False]
     rounds = [kw for kw in calls if kw.get("recast")]
     assert rounds and all(kw["recast"] == (0, 2) for kw in rounds)
