@@ -13,16 +13,18 @@ from .tensor_group import CastRef, GroupPlan, SavedEntry, Unit
 __all__ = ["check_saved_version", "check_source_version", "kept_again", "log_offload"]
 
 
-def _original(entry: SavedEntry) -> torch.Tensor | None:
-    """The tensor autograd saved, while anything still holds it."""
-    return entry.tensor if entry.tensor is not None else (entry.weak and entry.weak())
+def _changed(entry: SavedEntry) -> torch.Tensor | None:
+    """The tensor autograd saved, if anything still holds it and it was changed in place
+    since it was saved; else None."""
+    original = entry.tensor if entry.tensor is not None else (entry.weak and entry.weak())
+    return original if original is not None and original._version != entry.version else None
 
 
 def check_saved_version(entry: SavedEntry, layer: str) -> None:
     """Raise as PyTorch does without offloading if ``entry``'s tensor was changed in
     place after it was saved."""
-    original = _original(entry)
-    if original is not None and original._version != entry.version:
+    original = _changed(entry)
+    if original is not None:
         raise RuntimeError(
             "one of the variables needed for gradient computation has been modified by "
             f"an inplace operation: a tensor of shape {tuple(original.shape)} saved for "
@@ -35,8 +37,8 @@ def check_source_version(entry: SavedEntry, layer: str) -> None:
     """Raise if the source of a saved cast (``entry``) changed after it was saved: the
     cast rebuilt from it would have other values (NOTE [Casts rebuilt from their source]
     in ``recast.py``)."""
-    original = _original(entry)
-    if original is not None and original._version != entry.version:
+    original = _changed(entry)
+    if original is not None:
         raise RuntimeError(
             f"a saved tensor of shape {tuple(original.shape)} in {layer} was modified "
             f"by an inplace operation after it was saved (version {original._version}; "
