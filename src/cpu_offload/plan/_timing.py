@@ -194,7 +194,7 @@ class HostAndDevice(Together):
         if n > 1:
             # Half the layers (at least one, never the last) through the engine.
             configs["offload"] = {"offloaded": range(m), "recomputed": ()}
-        recast = tuple(j for j, c in enumerate(costs) if c.recast_bytes > 0)
+        recast = _with_casts(costs)
         if recast:
             # Every layer with saved casts kept with its casts rebuilt.
             configs["recast"] = {"offloaded": (), "recomputed": (), "recast": recast}
@@ -270,7 +270,7 @@ class HostAndDevice(Together):
         if "recast" in rounds:
             both = host_rounds(pace, ref, probes["recast"], probes["keep"])
             rebuilt, plain = picked(rounds["recast"], both), picked(rounds["keep"], both)
-            count = sum(1 for c in got.costs if c.recast_bytes > 0)
+            count = len(_with_casts(got.costs))
             host = replace(
                 host,
                 recast_forward_ms=extra(rebuilt, plain, "host_forward", count, lead=True),
@@ -338,6 +338,12 @@ class HostAndDevice(Together):
             self.calm_probe_ms,
             pace=self.HOST_PACE if pace is None else pace,
         )
+
+
+def _with_casts(costs: Sequence[LayerCost]) -> tuple[int, ...]:
+    """The layers that save casts: those the profile's recast round keeps with their
+    casts rebuilt, and among which it shares out what that round adds."""
+    return tuple(j for j, c in enumerate(costs) if c.recast_bytes > 0)
 
 
 @dataclass(frozen=True)
