@@ -62,9 +62,9 @@ def test_manual_synchronizer_ids_through_a_whole_offload():
 def test_pop_tensor_refuses_what_push_tensor_did_not_return():
     sync = OffloadSynchronizer(1, transport=HostTransport())
     sync.fwd_step()
-    with pytest.raises(TypeError, match="pop_tensor takes what push_tensor returned"):
+    with pytest.raises(TypeError, match="pop_tensor takes what push_tensor or pack_hook returned"):
         sync.pop_tensor(0)
-    with pytest.raises(TypeError, match="pop_tensor takes what push_tensor returned"):
+    with pytest.raises(TypeError, match="pop_tensor takes what push_tensor or pack_hook returned"):
         sync.pop_tensor("x")
 
 

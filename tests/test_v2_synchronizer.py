@@ -9,6 +9,7 @@ from helpers import V2_LAYERS, V2_MIN
 from helpers import v2_context as _ctx
 
 from cpu_offload import HostTransport, mark_activation_offload, v2
+from cpu_offload.engine.saved_checks import KeptAsSaved
 from cpu_offload.engine.selection import ActivationPolicy, is_marked_for_offload
 from cpu_offload.v2.synchronizer import TensorId
 
@@ -64,11 +65,12 @@ def test_pack_hook_keeps_only_weights_undetached():
     made = w * 2
     plain = torch.ones(4)
     out = sync.pack_hook(made)
-    assert out is not made and out.grad_fn is None
-    assert out.data_ptr() == made.data_ptr() and out._version == made._version
-    assert sync.pack_hook(w) is w
+    assert isinstance(out, KeptAsSaved)
+    assert out.tensor is not made and out.tensor.grad_fn is None
+    assert out.tensor.data_ptr() == made.data_ptr() and out.tensor._version == made._version
+    assert sync.pack_hook(w).tensor is w
     out = sync.pack_hook(plain)  # needs no grad now, but an in-place op may change that
-    assert out is not plain and out.data_ptr() == plain.data_ptr()
+    assert out.tensor is not plain and out.tensor.data_ptr() == plain.data_ptr()
     for t in (made, w, plain):
         assert sync.pop_tensor(sync.pack_hook(t)).data_ptr() == t.data_ptr()
 
@@ -107,12 +109,13 @@ def test_small_tensors_stay_at_the_door(monkeypatch, caplog):
     w = torch.ones(MIN, requires_grad=True)
     small, big = w[: MIN - 1] * 2, w * 2
     out = sync.pack_hook(small)
-    assert isinstance(out, torch.Tensor) and out is not small and out.grad_fn is None
-    assert out.data_ptr() == small.data_ptr() and calls == [] and not layer.has_tensors
+    assert isinstance(out, KeptAsSaved) and out.tensor is not small
+    assert out.tensor.grad_fn is None and out.tensor.data_ptr() == small.data_ptr()
+    assert calls == [] and not layer.has_tensors
     assert isinstance(sync.pack_hook(big), TensorId) and calls == [MIN] and layer.has_tensors
     # With DEBUG records wanted, the layer sees every tensor and says why it keeps one.
     with caplog.at_level("DEBUG", logger="cpu_offload"):
-        assert isinstance(sync.pack_hook(small), torch.Tensor)
+        assert isinstance(sync.pack_hook(small), KeptAsSaved)
     assert calls == [MIN, MIN - 1]
     assert any("kept" in r.getMessage() and "layer 0" in r.getMessage() for r in caplog.records)
     sync.release_all()

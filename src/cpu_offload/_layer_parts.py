@@ -13,8 +13,9 @@ A layer with an offloaded part counts as offloaded for the schedule (its bytes l
 before the forward of layer ``n-m+j`` and come back at the backward of ``n-m+j-1``, as a
 whole layer's would). Its forward runs inside the offload context, whose hooks would
 offload everything it saves; so the whole forward runs under hooks that keep each tensor
-(detached, NOTE [Kept tensors are detached]), and each offloaded part's forward under
-the engine's own pack and unpack hooks again: the innermost hooks decide. A recomputed
+(detached and version-checked: NOTE [Kept tensors are detached], NOTE [Kept tensors keep
+their version check]), and each offloaded part's forward under the engine's own pack
+and unpack hooks again: the innermost hooks decide. A recomputed
 part runs through the same non-reentrant checkpoint as a recomputed layer (NOTE
 [Recomputation runs the whole layer]), whose own hooks take what the part saves; the
 checkpoint's copy of the part's inputs is saved under the enclosing hooks, and kept. Under
@@ -25,6 +26,7 @@ a part runs as it is.
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
@@ -33,6 +35,7 @@ from torch import nn
 
 from ._layer_stack import check_indices
 from ._layer_wrap import wrap_of
+from .engine.saved_checks import KeptAsSaved
 
 __all__ = ["PART_CHOICES", "Choice", "PartPlan", "check_part_names", "check_parts", "keep_saved"]
 
@@ -57,17 +60,17 @@ PART_CHOICES = (Choice.KEEP, Choice.OFFLOAD, Choice.RECOMPUTE)
 PartPlan = dict[int, dict[str, Choice]]
 
 
-def _detached(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach()
+def _unpack(kept: KeptAsSaved) -> torch.Tensor:
+    return kept.unpack()
 
 
-def _same(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
-
-
-def keep_saved() -> torch.autograd.graph.saved_tensors_hooks:
-    """Saved-tensor hooks that keep every tensor where it is (NOTE [Parts of a layer])."""
-    return torch.autograd.graph.saved_tensors_hooks(_detached, _same)
+def keep_saved(layer: str) -> torch.autograd.graph.saved_tensors_hooks:
+    """Saved-tensor hooks that keep every tensor where it is (NOTE [Parts of a layer]),
+    version-checked as without hooks (NOTE [Kept tensors keep their version check] in
+    ``engine/saved_checks.py``); ``layer`` names the layer in the check's message."""
+    return torch.autograd.graph.saved_tensors_hooks(
+        functools.partial(KeptAsSaved, layer=layer), _unpack
+    )
 
 
 def check_part_names(arg: str, index: int, layer: nn.Module, names: Iterable[object]) -> list[str]:

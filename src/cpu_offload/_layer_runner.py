@@ -314,7 +314,11 @@ class Runner:
         self.last_index = None
         mark = MarkOutputs() if self.mark_outputs and index in self.offloaded else None
         # An offloaded layer with parts keeps what its offloaded parts do not take.
-        keep = keep_saved() if index in self.parts and index in self.offloaded else None
+        keep = (
+            keep_saved(f"layer {index}")
+            if index in self.parts and index in self.offloaded
+            else None
+        )
         with self.context, mark or contextlib.nullcontext(), keep or contextlib.nullcontext():
             out = run()
         assert self.sync is not None

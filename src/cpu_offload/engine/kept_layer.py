@@ -37,6 +37,7 @@ from .._compile import outside_compile
 from .host_buffers import HostBufferPool
 from .layer_state import LayerPhase, OffloadableLayerState
 from .layout import TensorLayout
+from .saved_checks import KeptAsSaved
 from .selection import ActivationPolicy
 from .tensor_group import CastRef, KeptRef
 from .transport import Transport
@@ -92,9 +93,10 @@ class _Saved:
         self.index = index
 
 
-def _unpack(saved: _Saved | torch.Tensor) -> torch.Tensor:
-    if isinstance(saved, torch.Tensor):
-        return saved  # kept as it was (below the size threshold, a weight)
+def _unpack(saved: _Saved | KeptAsSaved) -> torch.Tensor:
+    if type(saved) is KeptAsSaved:
+        return saved.unpack()  # kept as it was (below the size threshold, a weight)
+    assert isinstance(saved, _Saved)
     state = saved.state
     if state.phase is LayerPhase.OFFLOAD_FINISHED:
         state.start_reload()  # nothing to copy back: every unit stayed
@@ -151,7 +153,7 @@ class KeptLayer:
         self._last = weakref.ref(state)
         return torch.autograd.graph.saved_tensors_hooks(*self._hooks)
 
-    def _pack(self, tensor: torch.Tensor) -> _Saved | torch.Tensor:
+    def _pack(self, tensor: torch.Tensor) -> _Saved | KeptAsSaved:
         state = self._current
         if state is None:
             raise RuntimeError(
@@ -161,8 +163,8 @@ class KeptLayer:
         packed = state.push_tensor(tensor)
         if isinstance(packed, int):
             return _Saved(state, packed)
-        # NOTE [Kept tensors are detached] in cpu_offload/v2/synchronizer.py.
-        return tensor if tensor.is_leaf and tensor.requires_grad else tensor.detach()
+        # NOTE [Kept tensors keep their version check] in saved_checks.py.
+        return KeptAsSaved(tensor, self.name)
 
     @outside_compile
     def finish(self) -> None:

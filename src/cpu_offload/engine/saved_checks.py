@@ -1,5 +1,17 @@
 """What a layer's state checks and logs of the tensors it was given: their versions when
-backward reads them, a kept tensor read again, and what an offload moved or kept."""
+backward reads them, a kept tensor read again, and what an offload moved or kept.
+
+NOTE [Kept tensors keep their version check]
+Without saved-tensor hooks, autograd records each saved tensor's version and refuses, in
+backward, one that was changed in place since ("one of the variables needed for
+gradient computation has been modified by an inplace operation"). With hooks it checks
+nothing: what the pack hook returns comes back from the unpack hook as it is. So a
+tensor that one of our pack hooks keeps where it is (below the size threshold, a
+weight, refused by the policy) goes to autograd as a :class:`KeptAsSaved`, with its
+version at the save, and the unpack hook raises as autograd would when the version
+moved. Without it, ``z = x.exp(); z.mul_(2)`` in an offloaded layer gave a wrong
+gradient where PyTorch without the package raises.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +22,64 @@ import torch
 from .. import _log
 from .tensor_group import CastRef, GroupPlan, SavedEntry, Unit
 
-__all__ = ["check_saved_version", "check_source_version", "kept_again", "log_offload"]
+__all__ = [
+    "KeptAsSaved",
+    "check_saved_version",
+    "check_source_version",
+    "kept_again",
+    "log_offload",
+]
+
+
+def _inplace_error(tensor: torch.Tensor, version: int, layer: str) -> RuntimeError:
+    return RuntimeError(
+        "one of the variables needed for gradient computation has been modified by "
+        f"an inplace operation: a tensor of shape {tuple(tensor.shape)} saved for "
+        f"backward in {layer} is at version {tensor._version}; expected version "
+        f"{version} instead (PyTorch raises this without offloading too)"
+    )
+
+
+class KeptAsSaved:
+    """What a pack hook gives autograd for a tensor it keeps where it is: the tensor,
+    detached unless a leaf that requires grad (NOTE [Kept tensors are detached] in
+    ``cpu_offload/v2/synchronizer.py``), and its version at the save (NOTE [Kept tensors
+    keep their version check]).
+
+    Args:
+        tensor: The tensor autograd saves.
+        layer: The layer's name in the message of a failed check.
+
+    Example:
+        >>> x = torch.ones(3)
+        >>> kept = KeptAsSaved(x, "layer 0")
+        >>> torch.equal(kept.unpack(), x)
+        True
+        >>> x.add_(1)
+        tensor([2., 2., 2.])
+        >>> kept.unpack()
+        Traceback (most recent call last):
+        ...
+        RuntimeError: one of the variables needed for gradient computation has been modified by an inplace operation: a tensor of shape (3,) saved for backward in layer 0 is at version 1; expected version 0 instead (PyTorch raises this without offloading too)
+    """
+
+    __slots__ = ("layer", "tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor, layer: str) -> None:
+        self.tensor = tensor if tensor.is_leaf and tensor.requires_grad else tensor.detach()
+        self.version = tensor._version
+        self.layer = layer
+
+    def unpack(self) -> torch.Tensor:
+        """The tensor, if it is still at the version it was saved at.
+
+        Raises:
+            RuntimeError: As PyTorch does without hooks, if it was changed in place since.
+        """
+        tensor = self.tensor
+        if tensor._version != self.version:
+            raise _inplace_error(tensor, self.version, self.layer)
+        return tensor
 
 
 def _changed(entry: SavedEntry) -> torch.Tensor | None:
@@ -25,12 +94,7 @@ def check_saved_version(entry: SavedEntry, layer: str) -> None:
     place after it was saved."""
     original = _changed(entry)
     if original is not None:
-        raise RuntimeError(
-            "one of the variables needed for gradient computation has been modified by "
-            f"an inplace operation: a tensor of shape {tuple(original.shape)} saved for "
-            f"backward in {layer} is at version {original._version}; expected version "
-            f"{entry.version} instead (PyTorch raises this without offloading too)"
-        )
+        raise _inplace_error(original, entry.version, layer)
 
 
 def check_source_version(entry: SavedEntry, layer: str) -> None:

@@ -12,6 +12,7 @@ from .._args import activations_requested, check_bool, check_int
 from .._compile import outside_compile
 from ..engine.active import ActiveHooks
 from ..engine.context import OffloadContextBase
+from ..engine.saved_checks import KeptAsSaved
 from ..engine.selection import is_marked_for_offload
 from ..engine.transport import Transport, resolve_transport
 from .handlers import AsyncDoubleBufferGroupOffloadHandler, OffloadHandler
@@ -83,10 +84,19 @@ class CpuOffloadHookWithOffloadHandler(CpuOffloadSavedTensorHook):
 
     def on_save_for_backward(self, tensor: torch.Tensor) -> Any:
         out = self.offload_handler.tensor_push(tensor, **self.handler_extra_kwargs)
-        # See NOTE [Kept tensors are detached] in cpu_offload.v2.synchronizer.
-        return tensor.detach() if out is tensor else out
+        if out is not tensor:
+            return out
+        # Detached and version-checked: NOTE [Kept tensors are detached] in
+        # cpu_offload.v2.synchronizer, NOTE [Kept tensors keep their version check] in
+        # cpu_offload.engine.saved_checks.
+        group = getattr(self.offload_handler, "current_group", None)
+        where = "the V1 offload context" if group is None else f"layer {group} (V1)"
+        return KeptAsSaved(tensor, where)
 
     def on_get_saved_tensor(self, saved_state: Any) -> torch.Tensor:
+        if type(saved_state) is KeptAsSaved:
+            # The handler sees the kept tensor itself, as it returned it.
+            saved_state = saved_state.unpack()
         return self.offload_handler.tensor_pop(saved_state, **self.handler_extra_kwargs)
 
     def is_current_layer_offloaded(self) -> bool:

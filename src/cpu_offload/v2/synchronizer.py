@@ -23,6 +23,7 @@ from .._compat import (
 )
 from .._warn import warn_at_caller
 from ..engine.layer_state import LayerPhase, OffloadableLayerState
+from ..engine.saved_checks import KeptAsSaved
 from ..engine.selection import ActivationPolicy
 from ..engine.tensor_group import TensorGroupProcessor
 from ..engine.transport import Transport, resolve_transport
@@ -65,6 +66,8 @@ __all__ = [
 
 
 _COLLECTING = LayerPhase.NOT_OFFLOADED  # read per saved tensor: a module name is cheaper
+#: Where a kept tensor was saved when no layer's forward runs, for the message of its check.
+_OUTSIDE = "the offload context, outside its layers"
 
 
 class TensorId(int):
@@ -255,13 +258,15 @@ class OffloadSynchronizer:
             return out
         return TensorId(out, layer, self.iteration)
 
-    def pack_hook(self, tensor: torch.Tensor) -> TensorId | torch.Tensor:
+    def pack_hook(self, tensor: torch.Tensor) -> TensorId | KeptAsSaved:
         """The saved-tensor pack hook the offload context installs.
 
-        :meth:`push_tensor`, with a kept tensor detached unless it is a leaf that
-        requires grad (see NOTE [Kept tensors are detached]). A tensor below the
-        policy's size threshold is kept without being handed to the layer (NOTE [Small
-        tensors stay at the door]).
+        :meth:`push_tensor`, with a kept tensor given to autograd as a
+        :class:`~cpu_offload.engine.saved_checks.KeptAsSaved`: detached unless it is a
+        leaf that requires grad (see NOTE [Kept tensors are detached]), with its version
+        checked when backward reads it (NOTE [Kept tensors keep their version check] in
+        ``engine/saved_checks.py``). A tensor below the policy's size threshold is kept
+        without being handed to the layer (NOTE [Small tensors stay at the door]).
         """
         layer = self.current_layer
         if layer is not None and (
@@ -273,21 +278,25 @@ class OffloadSynchronizer:
             out = self.push_tensor(tensor)
             if not isinstance(out, torch.Tensor):
                 return out
-        return tensor if tensor.requires_grad and tensor.is_leaf else tensor.detach()
+        return KeptAsSaved(tensor, _OUTSIDE if layer is None else self.layers[layer].name)
 
-    def pop_tensor(self, packed: TensorId | torch.Tensor) -> torch.Tensor:
+    def pop_tensor(self, packed: TensorId | KeptAsSaved | torch.Tensor) -> torch.Tensor:
         """Saved-tensor unpack hook: the tensor pushed as ``packed``.
 
         Raises:
-            TypeError: If ``packed`` is neither a tensor nor an id ``push_tensor`` returned.
-            RuntimeError: If the id belongs to an iteration whose memory was released.
+            TypeError: If ``packed`` is neither a tensor nor what :meth:`push_tensor` or
+                :meth:`pack_hook` returned.
+            RuntimeError: If the id belongs to an iteration whose memory was released, or
+                the tensor was kept and changed in place after it was saved.
         """
+        if type(packed) is KeptAsSaved:
+            return packed.unpack()
         if isinstance(packed, torch.Tensor):
             return packed
         if not isinstance(packed, TensorId):
             raise TypeError(
-                "pop_tensor takes what push_tensor returned (a tensor or its TensorId), "
-                f"got {type(packed).__name__} {packed!r}"
+                "pop_tensor takes what push_tensor or pack_hook returned (a tensor, a "
+                f"KeptAsSaved or a TensorId), got {type(packed).__name__} {packed!r}"
             )
         if packed.iteration != self.iteration:
             raise RuntimeError(
