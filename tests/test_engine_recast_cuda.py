@@ -84,12 +84,11 @@ def test_recast_layers_bit_identical_and_lower_by_their_casts(k, deterministic):
         step(layers, _input)  # warm-up
         got, got_peak = _step(layers, None, None)
         kept = list(handle._runner.recast.values())
-        states: list = []  # each forward's state, taken before its backward
-        step(layers, _input, between=lambda: states.extend(k.last_state for k in kept))
+        freed: list[int] = []  # each forward's casts, taken before its backward
+        step(layers, _input, between=lambda: freed.extend(k.recast_bytes for k in kept))
     assert_bit_equal(got, want)
     probs = BATCH * HEADS * SEQ * SEQ * 2
-    assert [s.recast_bytes for s in states] == [probs] * k
-    assert all(s.moved_bytes == 0 for s in states)
+    assert freed == [probs] * k
     # Each recast layer's cast is gone from its forward's end to its own backward.
     assert kept_peak - got_peak >= (k - 1) * probs
     assert got_peak < kept_peak

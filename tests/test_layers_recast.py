@@ -40,13 +40,14 @@ def _watch_casts(monkeypatch: pytest.MonkeyPatch) -> dict[str, list]:
     real_finish = KeptLayer.finish
 
     def finish(self: KeptLayer) -> None:
-        state = self._current
-        entries = list(state._entries) if state is not None else []
-        refs = [weakref.ref(e.tensor) for e in entries]
+        forward = self._current
+        tensors = list(forward.tensors) if forward is not None else []
+        cells = list(forward.cells) if forward is not None else []
+        refs = [weakref.ref(t) for t in tensors]
+        del tensors
         real_finish(self)
-        plan = self.last_state._plan
-        for ref, kind in zip(refs, plan.refs, strict=True):
-            seen["casts" if isinstance(kind, CastRef) else "others"].append(ref)
+        for ref, cell in zip(refs, cells, strict=True):
+            seen["casts" if isinstance(cell.cast, CastRef) else "others"].append(ref)
 
     monkeypatch.setattr(KeptLayer, "finish", finish)
     return seen
@@ -56,9 +57,7 @@ def _casts_gone(handle: object, indices: list[int], seen: dict[str, list]) -> No
     """Between forward and backward: layers ``indices`` let their saved casts go (nothing
     else held the bf16 probabilities), and hold the rest."""
     for index in indices:
-        state = handle._runner.recast[index].last_state  # type: ignore[attr-defined]
-        assert state.recast_bytes == PROBS_BYTES
-        assert state.moved_bytes == 0 and state.budget_kept_bytes > 0
+        assert handle._runner.recast[index].recast_bytes == PROBS_BYTES  # type: ignore[attr-defined]
     gc.collect()
     assert len(seen["casts"]) == len(indices)
     assert all(ref() is None for ref in seen["casts"])
@@ -78,8 +77,9 @@ def test_recast_layers_are_bit_identical_and_let_their_casts_go(
             got = step(layers, _input, between=lambda: _casts_gone(handle, [0, 1], seen))
             assert_bit_equal(got, want)
         assert "recast=[0, 1]" in repr(handle)
-        gc.collect()  # the states went with their graphs
-        assert all(k.last_state is None for k in handle._runner.recast.values())
+        # Between forwards the layers hold nothing: what they saved went with its graph.
+        assert all(k._current is None for k in handle._runner.recast.values())
+        assert all(ref() is None for ref in seen["others"])
     assert_bit_equal(step(layers, _input), want)  # removed: the layers run as before
 
 
@@ -129,7 +129,7 @@ def test_a_recast_layer_without_casts_keeps_everything() -> None:
             layers,
             make,
             between=lambda: (
-                [k.last_state.recast_bytes for k in handle._runner.recast.values()] == [0, 0, 0]
+                [k.recast_bytes for k in handle._runner.recast.values()] == [0, 0, 0]
                 or pytest.fail("a cast was found")
             ),
         )
@@ -145,7 +145,7 @@ def test_eager_llama_with_every_layer_recast_is_bit_identical() -> None:
 
         def finish(self: KeptLayer) -> None:
             real(self)
-            found.append(self.last_state.recast_bytes)
+            found.append(self.recast_bytes)
 
         KeptLayer.finish = finish  # type: ignore[method-assign]
         try:
@@ -158,8 +158,13 @@ def test_eager_llama_with_every_layer_recast_is_bit_identical() -> None:
         assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b, strict=True))
 
 
-def test_inside_the_models_own_checkpoint_nothing_is_taken() -> None:
+def test_inside_the_models_own_checkpoint_nothing_is_taken(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     layers = _layers()
+    saving: list[KeptLayer] = []
+    real_saving = KeptLayer.saving
+    monkeypatch.setattr(KeptLayer, "saving", lambda self: saving.append(self) or real_saving(self))
 
     class Checkpointed(nn.Module):
         def __init__(self) -> None:
@@ -173,14 +178,14 @@ def test_inside_the_models_own_checkpoint_nothing_is_taken() -> None:
 
     model = Checkpointed()
     want = step(layers, _input)
-    with offload_layers(model, recast=[0], min_tensor_size_to_offload=MIN) as handle:
+    with offload_layers(model, recast=[0], min_tensor_size_to_offload=MIN):
         for p in layers.parameters():
             p.grad = None
         x = _input()
         with pytest.warns(UserWarning, match="inside the model's own activation checkpoint"):
             loss = model(x).float().square().mean()
         # The checkpoint keeps the layer's input only: the kept layer took nothing.
-        assert handle._runner.recast[0].last_state is None
+        assert saving == []
         loss.backward()
         grads = [p.grad.clone() for p in layers.parameters()]
     assert torch.equal(loss.detach(), want.loss)
@@ -225,7 +230,7 @@ def test_what_backward_never_read_goes_with_the_graph() -> None:
         gc.collect()
         # Freed with the graph, not held until the next forward.
         assert layers[0].seen[-1]() is None and layers[1].seen[-1]() is None
-        assert handle._runner.recast[0].last_state is None
+        assert handle._runner.recast[0]._current is None
         assert torch.isfinite(loss)
 
 

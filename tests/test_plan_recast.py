@@ -306,7 +306,7 @@ def test_a_recast_plan_applies_bit_identical_on_a_real_block() -> None:
         kept = list(handle._runner.recast.values())
 
         def casts_let_go() -> None:
-            assert [k.last_state.recast_bytes for k in kept] == [PROBS_BYTES] * 2
+            assert [k.recast_bytes for k in kept] == [PROBS_BYTES] * 2
 
         assert_bit_equal(step(layers, _input, between=casts_let_go), want)
 

@@ -6,101 +6,120 @@ softmax in fp32, both the fp32 probabilities and their bf16 cast (NOTE [Casts re
 from their source] in ``recast.py``). Dropping the cast at the end of the forward and
 casting it again in backward frees its bytes for one elementwise kernel: on
 Megatron-Core's GPT at h 2048, s 2048, b 2, 256 of a layer's 1,028 MiB for about 0.2 ms
-of an H200 per layer. :class:`KeptLayer` does this with the engine's own grouping and
-checks: each forward gets a layer state of its own that keeps every unit on the device
-(``keep_budget=None``) through a transport that moves nothing, so only the casts the
-grouping finds leave, under the same conditions as in an offloaded layer, and each read
-of one in backward checks its source's version as there.
+of an H200 per layer. :class:`KeptLayer` does this with the engine's own rules: at the
+forward's end, :meth:`TensorGroupProcessor.casts_to_rebuild` finds the casts among what the
+layer saved, under the same conditions as in an offloaded layer, and each read of one in
+backward checks its source's version as there.
 
-What autograd holds for each saved tensor is a small cell naming that forward's state,
-so the state lives exactly as long as the graph does: two forwards before one backward
-(two losses summed, a layer used twice) keep two states apart, and a forward that never
-gets a backward frees everything with its graph, as without the package. The state
-holds the tensors it was given only until the forward ends (their autograd nodes are
-what tell a cast from its source); from then on it holds detached aliases (NOTE [Kept
-tensors are detached] in ``cpu_offload/v2/synchronizer.py``), which share the originals'
-memory and version counters, so an in-place change after the save still fails in
-backward as it does without the package. A second backward over the same graph
-(``retain_graph=True``) finds the kept tensors read already and says so, as for an
-offloaded layer.
+Nothing moves, so nothing else of the engine is needed, and the host's work stays small
+(a kept layer is chosen where the host may bound the step). What autograd holds for
+each saved tensor is a cell of its own (:class:`_Saved`) with the tensor, detached (NOTE
+[Kept tensors are detached] in ``cpu_offload/v2/synchronizer.py``), and its version at
+the save, checked when backward reads it; a cast's cell holds its source instead. So
+each tensor lives exactly as long as autograd's saved variable does, as without the
+package: a node that reads its saved tensors twice gets them twice, a second backward
+over a retained graph (``retain_graph=True``) reads them again, two forwards before one
+backward (two losses summed, a layer used twice) keep their cells apart, and a forward
+that never gets a backward frees everything with its graph. Until its forward ends, the
+layer also holds the tensors it was given (their autograd nodes are what tell a cast
+from its source), and lets go of them then, or when the forward raises.
 """
 
 from __future__ import annotations
 
-import warnings
+import typing
 import weakref
 from collections.abc import Hashable
 
 import torch
 
+from .._compat import autograd_clock, to_copy_node_type
 from .._compile import outside_compile
-from .host_buffers import HostBufferPool
-from .layer_state import LayerPhase, OffloadableLayerState
-from .layout import TensorLayout
-from .saved_checks import KeptAsSaved
-from .selection import ActivationPolicy
-from .tensor_group import CastRef, KeptRef
-from .transport import Transport
+from .recast import CastRef
+from .saved_checks import KeptAsSaved, inplace_error, source_changed_error
+from .selection import is_marked_not_offload
+from .tensor_group import SavedEntry, TensorGroupProcessor
 
-__all__ = ["KeepTransport", "KeptLayer"]
-
-
-class KeepTransport(Transport):
-    """A transport for a layer whose units all stay on the device: it records nothing and
-    moves nothing (NOTE [A kept layer's casts])."""
-
-    def __init__(self) -> None:
-        super().__init__(HostBufferPool(pin_memory=False))
-
-    def accepts(self, tensor: torch.Tensor) -> bool:
-        return True  # the policy chooses; nothing leaves the device anyway
-
-    def record(self) -> None:
-        return None  # no copy waits for a tensor to be complete
-
-    def wait(self, event: object | None, stream: Hashable | None = None) -> None:
-        return None
-
-    def current_stream(self) -> Hashable:
-        # A cast read on two streams is cast once on each (CastRef.read).
-        return torch.cuda.current_stream() if torch.cuda.is_initialized() else None
-
-    def use_on_current_stream(self, tensor: torch.Tensor, stream: Hashable | None = None) -> None:
-        return None  # a rebuilt cast is made on the stream that reads it
-
-    def offload(self, src: torch.Tensor, ready: object | None, dst: torch.Tensor) -> None:
-        raise RuntimeError("KeepTransport moves nothing: every unit of its layer is kept")
-
-    def allocate(self, layout: TensorLayout, device: torch.device) -> torch.Tensor:
-        raise RuntimeError("KeepTransport moves nothing: every unit of its layer is kept")
-
-    def reload(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        raise RuntimeError("KeepTransport moves nothing: every unit of its layer is kept")
-
-
-def _anywhere(tensor: torch.Tensor) -> bool:
-    return True
+__all__ = ["KeptLayer"]
 
 
 class _Saved:
-    """What autograd holds for one tensor a kept layer saved: its forward's state and
-    its id there (NOTE [A kept layer's casts])."""
+    """What autograd holds for one tensor a kept layer saved: the tensor (detached) and
+    its version at the save; for a rebuilt cast, its :class:`CastRef` and source instead
+    (NOTE [A kept layer's casts])."""
 
-    __slots__ = ("index", "state")
+    __slots__ = ("cast", "layer", "original", "source", "source_version", "tensor", "version")
 
-    def __init__(self, state: OffloadableLayerState, index: int) -> None:
-        self.state = state
-        self.index = index
+    def __init__(self, tensor: torch.Tensor, layer: str) -> None:
+        self.tensor: torch.Tensor | None = tensor.detach()
+        self.version = tensor._version
+        self.layer = layer
+        self.cast: CastRef | None = None
+        self.source: torch.Tensor | None = None
+        self.source_version = 0
+        #: A rebuilt cast's own tensor, while anything else holds it: a change to it
+        #: after the save fails as without the package.
+        self.original: weakref.ref[torch.Tensor] | None = None
+
+    def unpack(self) -> torch.Tensor:
+        """The tensor saved, or the cast rebuilt from its source, after the checks."""
+        cast = self.cast
+        if cast is None:
+            tensor = self.tensor
+            assert tensor is not None
+            if tensor._version != self.version:
+                raise inplace_error(tensor, self.version, self.layer)
+            return tensor
+        original = self.original() if self.original is not None else None
+        if original is not None and original._version != self.version:
+            raise inplace_error(original, self.version, self.layer)
+        source = self.source
+        assert source is not None
+        if source._version != self.source_version:
+            raise source_changed_error(source, self.source_version, self.layer)
+        return cast.read(lambda: source, _current_stream())
+
+
+def _current_stream() -> Hashable:
+    # A cast read on two streams is cast once on each (CastRef.read).
+    return torch.cuda.current_stream() if torch.cuda.is_initialized() else None
 
 
 def _unpack(saved: _Saved | KeptAsSaved) -> torch.Tensor:
-    if type(saved) is KeptAsSaved:
-        return saved.unpack()  # kept as it was (below the size threshold, a weight)
-    assert isinstance(saved, _Saved)
-    state = saved.state
-    if state.phase is LayerPhase.OFFLOAD_FINISHED:
-        state.start_reload()  # nothing to copy back: every unit stayed
-    return state.pop_tensor(saved.index)
+    return saved.unpack()
+
+
+def _candidates(tensors: list[torch.Tensor]) -> list[int]:
+    """The indices, in saving order, of the saved tensors that may be casts (made by
+    ``_to_copy``, or views of such) or their sources (not views, of a cast's shape): what
+    :meth:`TensorGroupProcessor.casts_to_rebuild` needs to see. Grouping only those keeps the
+    host's work at the forward's end small where a layer saves no cast, or few."""
+    cast_node = to_copy_node_type()
+    casts: list[int] = []
+    shapes: set[torch.Size] = set()
+    for i, t in enumerate(tensors):
+        base = t._base
+        root = t if base is None else base
+        if type(root.grad_fn) is cast_node:
+            casts.append(i)
+            shapes.add(root.shape)
+    if not casts:
+        return []
+    taken = set(casts)
+    return [
+        i for i, t in enumerate(tensors) if i in taken or (t._base is None and t.shape in shapes)
+    ]
+
+
+class _Forward:
+    """The tensors one forward of a kept layer saved, held until it ends."""
+
+    __slots__ = ("cells", "clocks", "tensors")
+
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+        self.clocks: list[int] = []
+        self.cells: list[_Saved] = []
 
 
 class KeptLayer:
@@ -113,9 +132,8 @@ class KeptLayer:
 
     Args:
         name: The layer's name in messages.
-        min_numel: Saved tensors with fewer elements are left to autograd as they are
-            (neither a cast nor a source): the offload context's
-            ``min_tensor_size_to_offload``.
+        min_numel: Saved tensors with fewer elements are kept as they are (neither a
+            cast nor a source): the offload context's ``min_tensor_size_to_offload``.
 
     Example:
         >>> layer = KeptLayer("layer 0", min_numel=1)
@@ -125,80 +143,87 @@ class KeptLayer:
         ...     p = x.softmax(-1)
         ...     y = (p.to(torch.bfloat16) @ v).sum()
         >>> layer.finish()
-        >>> layer.last_state.recast_bytes  # the cast's bytes went at the forward's end
+        >>> layer.recast_bytes  # the cast's bytes went at the forward's end
         8192
         >>> y.backward()
     """
 
     def __init__(self, name: str, min_numel: int) -> None:
         self.name = name
-        self.policy = ActivationPolicy(min_numel, _anywhere)
-        self._current: OffloadableLayerState | None = None
-        self._last: weakref.ref[OffloadableLayerState] | None = None
+        self.min_numel = min_numel
+        #: Bytes of the casts the last finished forward let go.
+        self.recast_bytes = 0
+        self._current: _Forward | None = None
+        self._processor = TensorGroupProcessor()
         # Entries into the engine run uncompiled (NOTE [torch.compile and the offload
         # engine]); made once, a hooks object is made per forward.
         self._hooks = (outside_compile(self._pack), outside_compile(_unpack))
 
-    @property
-    def last_state(self) -> OffloadableLayerState | None:
-        """The layer state of the last forward, while its graph (or anything) holds it."""
-        return None if self._last is None else self._last()
-
     def saving(self) -> torch.autograd.graph.saved_tensors_hooks:
-        """Saved-tensor hooks for the layer's next forward, with a layer state of its own."""
-        state = OffloadableLayerState(transport=KeepTransport(), policy=self.policy, name=self.name)
-        state.keep_budget = None  # every unit stays
-        state.keep_view_bases = True
-        self._current = state
-        self._last = weakref.ref(state)
+        """Saved-tensor hooks for the layer's next forward."""
+        self._current = _Forward()
         return torch.autograd.graph.saved_tensors_hooks(*self._hooks)
 
     def _pack(self, tensor: torch.Tensor) -> _Saved | KeptAsSaved:
-        state = self._current
-        if state is None:
+        forward = self._current
+        if forward is None:
             raise RuntimeError(
                 f"{self.name}: a tensor was saved for backward outside the layer's forward "
                 "(KeptLayer.saving() was not entered, or finish() was called already)"
             )
-        packed = state.push_tensor(tensor)
-        if isinstance(packed, int):
-            return _Saved(state, packed)
-        # NOTE [Kept tensors keep their version check] in saved_checks.py.
-        return KeptAsSaved(tensor, self.name)
+        if (
+            tensor.numel() < self.min_numel
+            # Neither a cast nor a source: made by no node (a weight, an input), not a
+            # plain dense tensor of floating point, or marked to stay as it is.
+            or tensor.grad_fn is None
+            or type(tensor) is not torch.Tensor
+            or tensor.layout is not torch.strided
+            or not tensor.dtype.is_floating_point
+            or is_marked_not_offload(tensor)
+        ):
+            return KeptAsSaved(tensor, self.name)
+        cell = _Saved(tensor, self.name)
+        forward.tensors.append(tensor)
+        forward.clocks.append(autograd_clock())
+        forward.cells.append(cell)
+        return cell
 
     @outside_compile
     def finish(self) -> None:
-        """At the end of a forward that completed: find the saved casts and let them go,
-        and hold detached aliases of the rest from now on."""
-        state, self._current = self._current, None
-        if state is None:
+        """At the end of a forward that completed: find the saved casts and let them go."""
+        forward, self._current = self._current, None
+        if forward is None or not forward.cells:
+            self.recast_bytes = 0
             return
-        entries = list(state._entries)
-        aliases = [entry.tensor.detach() for entry in entries]
-        try:
-            with warnings.catch_warnings():
-                # A strided slice whose layout could not be copied stays as it is, which
-                # is what this layer does with every tensor: no advice to give.
-                warnings.simplefilter("ignore", UserWarning)
-                state.start_offload()
-            state.release_activation_forward_gpu_memory()
-        except BaseException:
-            state.release_all_memory()
-            raise
-        plan = state._plan
-        assert plan is not None
-        for unit in plan.units:
-            if unit.reloaded is not None:
-                unit.reloaded = unit.reloaded.detach()
-        for i, ref in enumerate(plan.refs):
-            if isinstance(ref, KeptRef):
-                plan.refs[i] = KeptRef(ref.tensor.detach())
-        for entry, alias, ref in zip(entries, aliases, plan.refs, strict=True):
-            entry.weak = None
-            entry.tensor = None if isinstance(ref, CastRef) else alias  # type: ignore[assignment]
+        cells, tensors = forward.cells, forward.tensors
+        among = _candidates(tensors)
+        entries = [
+            SavedEntry(
+                tensors[i],
+                None,
+                i,
+                version=cells[i].version,
+                # Changed since its save: backward raises, and it is no cast's source.
+                keep=tensors[i]._version != cells[i].version,
+                clock=forward.clocks[i],
+            )
+            for i in among
+        ]
+        casts = self._processor.casts_to_rebuild(entries) if entries else {}
+        # A cast saved twice has one CastRef for both saves.
+        self.recast_bytes = sum(ref.nbytes for ref in {id(r): r for r in casts.values()}.values())
+        for j, ref in casts.items():  # in saving order: a source comes first
+            source = cells[among[typing.cast(int, ref.source)]]
+            if source.tensor is None:
+                # A cast of a cast: its source goes already; this one stays as it is.
+                self.recast_bytes -= ref.nbytes
+                continue
+            cell = cells[among[j]]
+            cell.cast, cell.source, cell.source_version = ref, source.tensor, source.version
+            cell.original = weakref.ref(entries[j].tensor)
+            cell.tensor = None
 
     def abandon(self) -> None:
-        """After a forward that raised: let go of what it saved."""
-        state, self._current = self._current, None
-        if state is not None:
-            state.release_all_memory()
+        """After a forward that raised: let go of the tensors it was given. What its
+        cells hold goes with whatever is left of its graph."""
+        self._current = None

@@ -100,9 +100,8 @@ class OffloadableLayerState:
         #: of moved (NOTE [Casts rebuilt from their source] in ``recast.py``).
         self.recast_bytes = 0
         #: Bytes of its other units the layer keeps on the device (NOTE [Bytes that
-        #: pay]), every unit if None (NOTE [A kept layer's casts] in ``kept_layer.py``);
-        #: read at each :meth:`start_offload`.
-        self.keep_budget: int | None = 0
+        #: pay]); read at each :meth:`start_offload`.
+        self.keep_budget = 0
         #: In the last offload: bytes the budget kept, and bytes moved.
         self.budget_kept_bytes = 0
         self.moved_bytes = 0

@@ -47,6 +47,7 @@ that is kept or recomputed is not touched.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
@@ -62,7 +63,9 @@ class CastRef:
     """A saved tensor rebuilt from a cast of another saved tensor: the cast itself, or
     one view of it (``view``: size, stride, offset)."""
 
-    source: object  # the source's reference in its GroupPlan
+    #: How the source is read: its reference in a GroupPlan, or, in a kept layer
+    #: (``kept_layer.py``), the pushed index of its first save.
+    source: object
     dtype: torch.dtype
     size: tuple[int, ...]
     stride: tuple[int, ...]
@@ -72,6 +75,11 @@ class CastRef:
     #: How many pushed entries are this cast (saved twice: one rebuild serves both).
     saves: int
     held: _Held = field(default_factory=lambda: _Held(), compare=False)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the rebuilt cast (all of it, when a view of it was saved)."""
+        return math.prod(self.size) * self.dtype.itemsize
 
     def read(self, source: Callable[[], torch.Tensor], stream: Hashable) -> torch.Tensor:
         """The cast (or its saved view) for a read on ``stream``: rebuilt from

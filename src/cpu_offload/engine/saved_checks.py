@@ -26,17 +26,31 @@ __all__ = [
     "KeptAsSaved",
     "check_saved_version",
     "check_source_version",
+    "inplace_error",
     "kept_again",
     "log_offload",
+    "source_changed_error",
 ]
 
 
-def _inplace_error(tensor: torch.Tensor, version: int, layer: str) -> RuntimeError:
+def inplace_error(tensor: torch.Tensor, version: int, layer: str) -> RuntimeError:
+    """The error PyTorch raises without hooks for a saved tensor changed in place."""
     return RuntimeError(
         "one of the variables needed for gradient computation has been modified by "
         f"an inplace operation: a tensor of shape {tuple(tensor.shape)} saved for "
         f"backward in {layer} is at version {tensor._version}; expected version "
         f"{version} instead (PyTorch raises this without offloading too)"
+    )
+
+
+def source_changed_error(tensor: torch.Tensor, version: int, layer: str) -> RuntimeError:
+    """The error for a saved cast's source changed in place after it was saved."""
+    return RuntimeError(
+        f"a saved tensor of shape {tuple(tensor.shape)} in {layer} was modified "
+        f"by an inplace operation after it was saved (version {tensor._version}; "
+        f"expected {version}), and backward rebuilds a saved cast of it from it "
+        "(NOTE [Casts rebuilt from their source] in cpu_offload/engine/recast.py). "
+        "Leave it unchanged until backward, or mark_not_offload(tensor) before saving"
     )
 
 
@@ -78,7 +92,7 @@ class KeptAsSaved:
         """
         tensor = self.tensor
         if tensor._version != self.version:
-            raise _inplace_error(tensor, self.version, self.layer)
+            raise inplace_error(tensor, self.version, self.layer)
         return tensor
 
 
@@ -94,7 +108,7 @@ def check_saved_version(entry: SavedEntry, layer: str) -> None:
     place after it was saved."""
     original = _changed(entry)
     if original is not None:
-        raise _inplace_error(original, entry.version, layer)
+        raise inplace_error(original, entry.version, layer)
 
 
 def check_source_version(entry: SavedEntry, layer: str) -> None:
@@ -103,13 +117,7 @@ def check_source_version(entry: SavedEntry, layer: str) -> None:
     in ``recast.py``)."""
     original = _changed(entry)
     if original is not None:
-        raise RuntimeError(
-            f"a saved tensor of shape {tuple(original.shape)} in {layer} was modified "
-            f"by an inplace operation after it was saved (version {original._version}; "
-            f"expected {entry.version}), and backward rebuilds a saved cast of it from it "
-            "(NOTE [Casts rebuilt from their source] in cpu_offload/engine/recast.py). "
-            "Leave it unchanged until backward, or mark_not_offload(tensor) before saving"
-        )
+        raise source_changed_error(original, entry.version, layer)
 
 
 def kept_again(unit: Unit, layer: str) -> torch.Tensor:

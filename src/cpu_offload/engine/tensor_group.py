@@ -26,7 +26,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -139,9 +139,8 @@ class GroupPlan:
         """The units copied to the host and back (all but the kept ones)."""
         return [u for u in self.units if not u.kept]
 
-    def keep_units(self, budget: int | None) -> int:
-        """Keep moved units on the device, largest first, within ``budget`` bytes
-        (every unit if None).
+    def keep_units(self, budget: int) -> int:
+        """Keep moved units on the device, largest first, within ``budget`` bytes.
 
         A kept unit is never copied, and the tensors of its references are served from
         the device tensor itself (NOTE [Bytes that pay] in ``peak_watch.py``).
@@ -150,16 +149,14 @@ class GroupPlan:
             The bytes kept.
         """
         kept = 0
-        if budget is not None and budget <= 0:
+        if budget <= 0:
             return kept
         for unit in sorted(self.moved, key=lambda u: u.nbytes, reverse=True):
             tensor = unit.tensor
             assert tensor is not None
             # A slice of a larger storage would keep all of it alive: moved, only the
-            # slice comes back. Where every unit stays, the storage stays anyway.
-            if budget is None or (
-                kept + unit.nbytes <= budget and not _shares_storage(tensor, unit.nbytes)
-            ):
+            # slice comes back.
+            if kept + unit.nbytes <= budget and not _shares_storage(tensor, unit.nbytes):
                 unit.kept = True
                 unit.storage_offset = int(tensor.storage_offset())
                 kept += unit.nbytes
@@ -236,6 +233,48 @@ class _Leaf:
     key: tuple[object, ...] = ()
 
 
+class _Grouped(NamedTuple):
+    leaves: list[_Leaf]
+    templates: list[object]  # per pushed entry: a leaf index, or a wrapper's template
+    alias: list[int]  # per leaf: the index of the leaf with the same memory
+    roots: dict[tuple[object, ...], tuple[torch.Tensor, list[int]]]
+
+
+def _pushed(grouped: _Grouped) -> dict[int, list[int]]:
+    """Distinct leaf -> the pushed entries that are it."""
+    pushed: dict[int, list[int]] = {}
+    for e, tpl in enumerate(grouped.templates):
+        if isinstance(tpl, int):
+            pushed.setdefault(grouped.alias[tpl], []).append(e)
+    return pushed
+
+
+def _cast_ref(
+    grouped: _Grouped,
+    pushed: dict[int, list[int]],
+    root_key: tuple[object, ...],
+    source: int,
+    source_ref: object,
+) -> CastRef:
+    """The :class:`CastRef` of the cast ``root_key`` of leaf ``source``, found by
+    :meth:`TensorGroupProcessor._casts`; ``source_ref`` is how the source is read."""
+    root, (i,) = grouped.roots[root_key]
+    leaf = grouped.leaves[i]
+    t = leaf.tensor
+    view = None
+    if leaf.key != root_key:
+        view = (tuple(t.shape), t.stride(), int(t.storage_offset() - root.storage_offset()))
+    return CastRef(
+        source_ref,
+        root.dtype,
+        tuple(root.shape),
+        root.stride(),
+        view,
+        tuple(pushed[source]),
+        len(pushed[i]),
+    )
+
+
 class TensorGroupProcessor:
     """Turns one layer's saved tensors into units, and rebuilds them after reload.
 
@@ -255,36 +294,11 @@ class TensorGroupProcessor:
         stay on the device (:attr:`Unit.kept`): no copy either way, the views are rebuilt
         from the base itself (NOTE [Bytes that pay] in ``peak_watch.py``).
         """
-        leaves: list[_Leaf] = []
-        templates = [self._flatten(e.tensor, e, leaves) for e in entries]
-
-        # Deduplicate: the same memory saved twice is one leaf.
-        canonical: dict[tuple[object, ...], int] = {}
-        alias: list[int] = []
-        for i, leaf in enumerate(leaves):
-            leaf.key = _storage_key(leaf.tensor)
-            j = canonical.setdefault(leaf.key, i)
-            if j != i:  # the later save decides when the shared copy may start
-                if leaf.seq > leaves[j].seq:
-                    leaves[j].ready, leaves[j].seq = leaf.ready, leaf.seq
-                leaves[j].force_base |= leaf.force_base
-                leaves[j].clock = -1 if leaf.clock < 0 else min(leaves[j].clock, leaf.clock)
-            alias.append(j)
-        distinct = sorted(set(alias))
-
-        # Group the distinct leaves by the base tensor that owns their memory.
-        roots: dict[tuple[object, ...], tuple[torch.Tensor, list[int]]] = {}
-        for i in distinct:
-            t = leaves[i].tensor
-            base = t._base
-            if base is None:
-                roots.setdefault(leaves[i].key, (t, []))[1].append(i)
-            else:
-                roots.setdefault(_storage_key(base), (base, []))[1].append(i)
-
+        grouped = self._group(entries)
+        leaves, templates, alias, roots = grouped
         plan = GroupPlan()
         leaf_refs: dict[int, _Ref] = {}
-        casts = self._casts(roots, leaves, distinct)
+        casts = self._casts(roots, leaves, sorted(set(alias)))
         for root_key, (root, members) in roots.items():
             if root_key in casts:
                 continue  # rebuilt from its source below
@@ -301,32 +315,68 @@ class TensorGroupProcessor:
                     leaf_refs[members[0]] = _UnitRef(self._add_unit(plan, leaf.tensor, leaf), None)
                     continue
             leaf_refs.update(self._plan_root(root, members, leaves, plan, keep_view_bases))
-        pushed: dict[int, list[int]] = {}  # leaf -> the pushed entries that are it
-        for e, tpl in enumerate(templates):
-            if isinstance(tpl, int):
-                pushed.setdefault(alias[tpl], []).append(e)
+        pushed = _pushed(grouped)
         for root_key, source in casts.items():  # in saving order: a source comes first
-            root, (i,) = roots[root_key]
-            t = leaves[i].tensor
-            view = None
-            if leaves[i].key != root_key:
-                view = (tuple(t.shape), t.stride(), int(t.storage_offset() - root.storage_offset()))
-            leaf_refs[i] = CastRef(
-                leaf_refs[source],
-                root.dtype,
-                tuple(root.shape),
-                root.stride(),
-                view,
-                tuple(pushed[source]),
-                len(pushed[i]),
-            )
-            plan.recast_bytes += root.numel() * root.element_size()
+            cast = _cast_ref(grouped, pushed, root_key, source, leaf_refs[source])
+            leaf_refs[roots[root_key][1][0]] = cast
+            plan.recast_bytes += cast.nbytes
 
         plan.refs = [self._resolve(tpl, leaf_refs, alias) for tpl in templates]
         for ref in plan.refs:
             for u in plan.unit_ids(ref):
                 plan.units[u].pending_pops += 1
         return plan
+
+    def casts_to_rebuild(self, entries: Sequence[SavedEntry]) -> dict[int, CastRef]:
+        """For a layer that keeps what it saved on the device: which pushed entries are
+        casts to rebuild from another pushed tensor (NOTE [A kept layer's casts] in
+        ``kept_layer.py``), by the same rules as :meth:`process`.
+
+        Returns:
+            Pushed index of each cast -> its :class:`CastRef`, whose ``source`` is the
+            pushed index of the source's first save.
+        """
+        grouped = self._group(entries)
+        leaves, _, alias, roots = grouped
+        casts = self._casts(roots, leaves, sorted(set(alias)))
+        if not casts:
+            return {}
+        pushed = _pushed(grouped)
+        found: dict[int, CastRef] = {}
+        for root_key, source in casts.items():
+            cast = _cast_ref(grouped, pushed, root_key, source, pushed[source][0])
+            for e in pushed[roots[root_key][1][0]]:
+                found[e] = cast
+        return found
+
+    def _group(self, entries: Sequence[SavedEntry]) -> _Grouped:
+        """``entries`` as distinct leaves (the same memory saved twice is one), grouped
+        by the base tensor that owns their memory."""
+        leaves: list[_Leaf] = []
+        templates = [self._flatten(e.tensor, e, leaves) for e in entries]
+
+        # Deduplicate: the same memory saved twice is one leaf.
+        canonical: dict[tuple[object, ...], int] = {}
+        alias: list[int] = []
+        for i, leaf in enumerate(leaves):
+            leaf.key = _storage_key(leaf.tensor)
+            j = canonical.setdefault(leaf.key, i)
+            if j != i:  # the later save decides when the shared copy may start
+                if leaf.seq > leaves[j].seq:
+                    leaves[j].ready, leaves[j].seq = leaf.ready, leaf.seq
+                leaves[j].force_base |= leaf.force_base
+                leaves[j].clock = -1 if leaf.clock < 0 else min(leaves[j].clock, leaf.clock)
+            alias.append(j)
+
+        roots: dict[tuple[object, ...], tuple[torch.Tensor, list[int]]] = {}
+        for i in sorted(set(alias)):
+            t = leaves[i].tensor
+            base = t._base
+            if base is None:
+                roots.setdefault(leaves[i].key, (t, []))[1].append(i)
+            else:
+                roots.setdefault(_storage_key(base), (base, []))[1].append(i)
+        return _Grouped(leaves, templates, alias, roots)
 
     @staticmethod
     def _casts(

@@ -1,0 +1,176 @@
+"""A kept layer's saved tensors (``engine/kept_layer.py``, NOTE [A kept layer's casts]):
+each lives as long as autograd's saved variable does, as without the package, and its
+checks fail where PyTorch's would."""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+from test_engine_recast import SoftmaxInFp32
+from torch import nn
+
+from cpu_offload import offload_layers
+from cpu_offload.engine.kept_layer import KeptLayer
+
+
+class _ReadsTwice(torch.autograd.Function):
+    """Reads ``ctx.saved_tensors`` twice in its backward, as some custom kernels do."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        y = x.exp()
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (first,) = ctx.saved_tensors
+        (second,) = ctx.saved_tensors
+        return grad * first * 0.5 + grad * second * 0.5
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _ReadsTwice.apply(self.lin(x))
+
+
+def _grads(layers: nn.ModuleList, x: torch.Tensor, backwards: int) -> list[torch.Tensor]:
+    for p in layers.parameters():
+        p.grad = None
+    y = x
+    for layer in layers:
+        y = layer(y)
+    loss = y.float().square().mean()
+    for i in range(backwards):
+        loss.backward(retain_graph=i + 1 < backwards)
+    return [p.grad.clone() for p in layers.parameters()]
+
+
+@pytest.mark.parametrize("backwards", [1, 2], ids=["one backward", "retain_graph"])
+def test_reads_twice_and_a_retained_graph_as_without_the_package(backwards: int) -> None:
+    torch.manual_seed(0)
+    layers = nn.ModuleList(_Block() for _ in range(2))
+    x = torch.randn(4, 16)
+    want = _grads(layers, x, backwards)
+    with offload_layers(layers, recast=[0, 1], min_tensor_size_to_offload=1):
+        got = _grads(layers, x, backwards)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_a_retained_graph_rebuilds_its_casts_again() -> None:
+    torch.manual_seed(0)
+    layers = nn.ModuleList(SoftmaxInFp32() for _ in range(2)).to(torch.bfloat16)
+    x = torch.randn(2, 32, 64).to(torch.bfloat16)
+    want = _grads(layers, x, 2)
+    with offload_layers(layers, recast=[0, 1], min_tensor_size_to_offload=1) as handle:
+        got = _grads(layers, x, 2)
+        assert all(k.recast_bytes > 0 for k in handle._runner.recast.values())
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_a_saved_tensor_goes_when_autograd_lets_it_go_not_at_the_layers_end() -> None:
+    # exp's output is saved by exp and by the Linear after it; once both nodes ran, the
+    # gradient of exp's input is made, and the output must be gone, as without hooks.
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.second = nn.Linear(16, 16), nn.Linear(16, 16)
+            self.seen: list[weakref.ref[torch.Tensor]] = []
+            self.alive_then: list[bool] = []
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            a = self.first(x)
+            b = a.exp()
+            self.seen.append(weakref.ref(b))
+            a.register_hook(lambda g: self.alive_then.append(self.seen[-1]() is not None))
+            return self.second(b)
+
+    block = Block()
+    layers = nn.ModuleList([block, nn.Linear(16, 16)])
+    _grads(layers, torch.randn(4, 16), 1)
+    assert block.alive_then == [False]  # without the package
+    with offload_layers(layers, recast=[0], min_tensor_size_to_offload=1):
+        _grads(layers, torch.randn(4, 16), 1)
+    assert block.alive_then == [False, False]
+
+
+def test_a_cast_changed_while_held_elsewhere_fails_as_without_the_package() -> None:
+    layer = KeptLayer("layer 0", min_numel=1)
+    x = torch.randn(8, 8, requires_grad=True)
+    v = torch.randn(8, 8, dtype=torch.bfloat16, requires_grad=True)
+    with layer.saving():
+        p = x.softmax(-1)
+        cast = p.to(torch.bfloat16)
+        y = (cast @ v).sum()
+    layer.finish()
+    assert layer.recast_bytes == cast.numel() * 2
+    with torch.no_grad():
+        cast.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation.*in layer 0"):
+        y.backward()
+
+
+def test_a_source_changed_after_the_forward_fails_the_read_of_its_cast() -> None:
+    layer = KeptLayer("layer 0", min_numel=1)
+    x = torch.randn(8, 8, requires_grad=True)
+    v = torch.randn(8, 8, dtype=torch.bfloat16, requires_grad=True)
+    with layer.saving():
+        p = x.softmax(-1)
+        y = (p.to(torch.bfloat16) @ v).sum()
+    layer.finish()
+    with torch.no_grad():
+        p.mul_(2)
+    # The product's backward reads the cast first: rebuilt from p, it would be wrong.
+    with pytest.raises(RuntimeError, match="rebuilds a saved cast of it"):
+        y.backward()
+
+
+def test_a_forward_that_raised_leaves_the_next_one_clean() -> None:
+    layer = KeptLayer("layer 0", min_numel=1)
+    x = torch.randn(8, 8, requires_grad=True)
+    v = torch.randn(8, 8, dtype=torch.bfloat16, requires_grad=True)  # so the cast is saved
+
+    def forward() -> torch.Tensor:
+        return (x.softmax(-1).to(torch.bfloat16) @ v).float().sum()
+
+    with pytest.raises(ValueError), layer.saving():
+        forward()
+        raise ValueError("in the forward")
+    layer.abandon()
+    with pytest.raises(RuntimeError, match="outside the layer's forward"):
+        with torch.autograd.graph.saved_tensors_hooks(*layer._hooks):
+            x.exp()
+    with layer.saving():
+        y = forward()
+    layer.finish()
+    assert layer.recast_bytes == 8 * 8 * 2
+    y.backward()
+    assert torch.equal(x.grad, torch.autograd.grad(forward(), x)[0])
+
+
+def test_a_cast_of_a_rebuilt_cast_stays_as_it_is() -> None:
+    layer = KeptLayer("layer 0", min_numel=1)
+    x = torch.randn(8, 8, requires_grad=True)
+    v = torch.randn(8, 8, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def forward() -> torch.Tensor:
+        half = x.softmax(-1).to(torch.bfloat16)  # a cast of the softmax, saved by @ v
+        first = (half @ v).float().sum()
+        full = half.to(torch.float32)  # a cast of that cast, saved by @ w
+        return first + (full @ w).sum()
+
+    with layer.saving():
+        y = forward()
+    layer.finish()
+    assert layer.recast_bytes == 8 * 8 * 2  # the first cast only
+    y.backward()
+    grads = [t.grad.clone() for t in (x, v, w)]
+    want = torch.autograd.grad(forward(), (x, v, w))
+    assert all(torch.equal(a, b) for a, b in zip(grads, want, strict=True))
