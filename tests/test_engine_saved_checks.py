@@ -5,7 +5,6 @@ version check] in ``engine/saved_checks.py``): on every path that keeps tensors.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -98,45 +97,42 @@ def test_a_weight_changed_between_forward_and_backward_is_refused():
             loss.backward()
 
 
-def test_v1_refuses_a_changed_tensor_it_did_not_mark():
-    # V1 moves marked tensors only: the rest are kept, and checked.
+def _v1_two_layers(change: bool) -> tuple[torch.Tensor, torch.Tensor, list[object]]:
+    """Two layers under V1, the first saving ``exp``'s output unmarked (and changing it
+    if ``change``): the input, the loss, and what the handler's ``tensor_pop`` got."""
     ctx, sync = v1.get_cpu_offload_context(True, 1, 2, True, False, False)
-    x = torch.randn(8, requires_grad=True)
     seen: list[object] = []
-    ctx.offload_handler.tensor_pop = _recording(ctx.offload_handler.tensor_pop, seen)
-    with ctx:
-        z = (x * 2).exp()  # saves z, unmarked
-        z.mul_(2)
-    z = sync(z)
-    with ctx:
-        out = z * 1
-    out = sync(out)
-    with pytest.raises(RuntimeError, match=f"{INPLACE}.*layer 0 \\(V1\\)"):
-        out.sum().backward()
-    assert not seen  # refused before the handler is asked
+    pop = ctx.offload_handler.tensor_pop
 
-
-def test_v1_gives_its_handler_the_kept_tensor_itself():
-    ctx, sync = v1.get_cpu_offload_context(True, 1, 2, True, False, False)
-    x = torch.randn(8, requires_grad=True)
-    seen: list[object] = []
-    ctx.offload_handler.tensor_pop = _recording(ctx.offload_handler.tensor_pop, seen)
-    with ctx:
-        z = (x * 2).exp()
-    z = sync(z)
-    with ctx:
-        out = z * 1
-    sync(out).sum().backward()
-    assert seen and all(isinstance(t, torch.Tensor) for t in seen)
-    assert torch.equal(x.grad, 2 * (x * 2).exp())
-
-
-def _recording(pop: Callable[..., torch.Tensor], seen: list[object]) -> Callable[..., Any]:
     def record(tag: object, **kwargs: Any) -> torch.Tensor:
         seen.append(tag)
         return pop(tag, **kwargs)
 
-    return record
+    ctx.offload_handler.tensor_pop = record
+    x = torch.randn(8, requires_grad=True)
+    with ctx:
+        z = (x * 2).exp()  # saves z, unmarked
+        if change:
+            z.mul_(2)
+    z = sync(z)
+    with ctx:
+        out = z * 1
+    return x, sync(out).sum(), seen
+
+
+def test_v1_refuses_a_changed_tensor_it_did_not_mark():
+    # V1 moves marked tensors only: the rest are kept, and checked.
+    _, loss, seen = _v1_two_layers(change=True)
+    with pytest.raises(RuntimeError, match=f"{INPLACE}.*layer 0 \\(V1\\)"):
+        loss.backward()
+    assert not seen  # refused before the handler is asked
+
+
+def test_v1_gives_its_handler_the_kept_tensor_itself():
+    x, loss, seen = _v1_two_layers(change=False)
+    loss.backward()
+    assert seen and all(isinstance(t, torch.Tensor) for t in seen)
+    assert torch.equal(x.grad, 2 * (x * 2).exp())
 
 
 def test_kept_as_saved_detaches_all_but_a_weight_and_keeps_the_version():
