@@ -171,3 +171,38 @@ def test_a_cast_of_a_rebuilt_cast_stays_as_it_is() -> None:
     grads = [t.grad.clone() for t in (x, v, w)]
     want = torch.autograd.grad(forward(), (x, v, w))
     assert all(torch.equal(a, b) for a, b in zip(grads, want, strict=True))
+
+
+def test_a_cast_changed_through_its_base_after_a_view_of_it_was_saved_fails() -> None:
+    # bmm saves the probabilities as a 3-D view, which dies at the forward's end; the
+    # cast itself lives on here and is changed: PyTorch refuses that without hooks.
+    layer = KeptLayer("layer 0", min_numel=1)
+    x = torch.randn(2, 8, 8, requires_grad=True)
+    v = torch.randn(2, 8, 8, dtype=torch.bfloat16, requires_grad=True)
+    with layer.saving():
+        cast = x.softmax(-1).to(torch.bfloat16)
+        y = torch.bmm(cast.view(2, 8, 8), v).sum()
+    layer.finish()
+    assert layer.recast_bytes == cast.numel() * 2
+    with torch.no_grad():
+        cast.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation.*in layer 0"):
+        y.backward()
+
+
+def test_a_nested_tensor_is_kept_as_it_is() -> None:
+    # A strided nested tensor is a plain torch.Tensor of strided layout without sizes.
+    def forward(parts: list[torch.Tensor]) -> torch.Tensor:
+        nested = torch.nested.as_nested_tensor([t * 1 for t in parts])
+        cast = nested.softmax(-1).to(torch.float64)  # softmax and mul save nested tensors
+        return torch.cat((cast * cast).unbind()).float().sum()
+
+    parts = [torch.randn(3, 4, requires_grad=True), torch.randn(5, 4, requires_grad=True)]
+    want = torch.autograd.grad(forward(parts), parts)
+    layer = KeptLayer("layer 0", min_numel=1)
+    with layer.saving():
+        y = forward(parts)
+    layer.finish()
+    assert layer.recast_bytes == 0
+    y.backward()
+    assert all(torch.equal(p.grad, w) for p, w in zip(parts, want, strict=True))

@@ -57,8 +57,8 @@ class _Saved:
         self.cast: CastRef | None = None
         self.source: torch.Tensor | None = None
         self.source_version = 0
-        #: A rebuilt cast's own tensor, while anything else holds it: a change to it
-        #: after the save fails as without the package.
+        #: A rebuilt cast's own tensor (the base of a saved view of it), while anything
+        #: else holds it: a change to it after the save fails as without the package.
         self.original: weakref.ref[torch.Tensor] | None = None
 
     def unpack(self) -> torch.Tensor:
@@ -178,6 +178,7 @@ class KeptLayer:
             or tensor.grad_fn is None
             or type(tensor) is not torch.Tensor
             or tensor.layout is not torch.strided
+            or tensor.is_nested
             or not tensor.dtype.is_floating_point
             or is_marked_not_offload(tensor)
         ):
@@ -220,7 +221,10 @@ class KeptLayer:
                 continue
             cell = cells[among[j]]
             cell.cast, cell.source, cell.source_version = ref, source.tensor, source.version
-            cell.original = weakref.ref(entries[j].tensor)
+            # The cast itself: a view of it saved (bmm's 3-D probabilities) dies here,
+            # but the cast or another view may live on and be changed.
+            saved = entries[j].tensor
+            cell.original = weakref.ref(saved if saved._base is None else saved._base)
             cell.tensor = None
 
     def abandon(self) -> None:
