@@ -48,14 +48,15 @@ that is kept or recomputed is not touched.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from .._compat import to_copy_node_type
 
-__all__ = ["CastRef", "find_casts"]
+__all__ = ["CastRef", "SavedLeaf", "cast_ref", "casts_among", "find_casts"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +105,72 @@ class _Held:
     tensor: torch.Tensor | None = None
     stream: Hashable = None
     reads: int = 0
+
+
+class SavedLeaf(Protocol):
+    """What the search for casts reads of one distinct saved tensor (the tensor group's
+    leaf): the tensor, when it was first saved, and the key of its memory."""
+
+    tensor: torch.Tensor
+    clock: int
+    key: tuple[object, ...]
+
+
+#: Storage key of a base tensor -> the base and the indices of the leaves of its memory.
+Roots = Mapping[tuple[object, ...], tuple[torch.Tensor, list[int]]]
+
+
+def casts_among(
+    roots: Roots, leaves: Sequence[SavedLeaf], distinct: Sequence[int], coverage: float
+) -> dict[tuple[object, ...], int]:
+    """Roots rebuilt as casts of a saved source -> the source's leaf index (NOTE [Casts
+    rebuilt from their source]).
+
+    A root qualifies when one tensor is saved of it: itself, or a view of its dtype that
+    holds at least ``coverage`` of it (the rebuilt cast is the whole root; several views
+    of one cast would each rebuild it, so they are moved). Sources are the ``distinct``
+    leaves saved as themselves.
+    """
+    keys = [
+        key
+        for key, (root, members) in roots.items()
+        if len(members) == 1
+        and leaves[members[0]].clock >= 0  # not marked by start_offload
+        and leaves[members[0]].tensor.dtype == root.dtype
+        and leaves[members[0]].tensor.numel() >= coverage * root.numel()
+    ]
+    sources = [i for i in distinct if leaves[i].tensor._base is None]
+    found = find_casts(
+        [roots[key][0] for key in keys],
+        [leaves[i].tensor for i in sources],
+        [leaves[i].clock for i in sources],
+    )
+    return {keys[c]: sources[s] for c, s in found.items()}
+
+
+def cast_ref(
+    root: torch.Tensor,
+    root_key: tuple[object, ...],
+    leaf: SavedLeaf,
+    source_ref: object,
+    source_entries: tuple[int, ...],
+    saves: int,
+) -> CastRef:
+    """The :class:`CastRef` of ``root``, a cast :func:`casts_among` found, saved as
+    ``leaf`` (itself or one view of it) by ``saves`` pushed entries."""
+    t = leaf.tensor
+    view = None
+    if leaf.key != root_key:
+        view = (tuple(t.shape), t.stride(), int(t.storage_offset() - root.storage_offset()))
+    return CastRef(
+        source_ref,
+        root.dtype,
+        tuple(root.shape),
+        root.stride(),
+        view,
+        source_entries,
+        saves,
+    )
 
 
 def find_casts(

@@ -32,7 +32,7 @@ import torch
 
 from .._warn import warn_at_caller
 from .layout import TensorLayout
-from .recast import CastRef, find_casts
+from .recast import CastRef, cast_ref, casts_among
 from .selection import is_dense
 
 __all__ = ["CastRef", "GroupPlan", "KeptRef", "SavedEntry", "TensorGroupProcessor", "Unit"]
@@ -256,22 +256,11 @@ def _cast_ref(
     source: int,
     source_ref: object,
 ) -> CastRef:
-    """The :class:`CastRef` of the cast ``root_key`` of leaf ``source``, found by
-    :meth:`TensorGroupProcessor._casts`; ``source_ref`` is how the source is read."""
+    """The :class:`CastRef` of the cast ``root_key`` of leaf ``source``
+    (:func:`.recast.casts_among`); ``source_ref`` is how the source is read."""
     root, (i,) = grouped.roots[root_key]
-    leaf = grouped.leaves[i]
-    t = leaf.tensor
-    view = None
-    if leaf.key != root_key:
-        view = (tuple(t.shape), t.stride(), int(t.storage_offset() - root.storage_offset()))
-    return CastRef(
-        source_ref,
-        root.dtype,
-        tuple(root.shape),
-        root.stride(),
-        view,
-        tuple(pushed[source]),
-        len(pushed[i]),
+    return cast_ref(
+        root, root_key, grouped.leaves[i], source_ref, tuple(pushed[source]), len(pushed[i])
     )
 
 
@@ -298,7 +287,7 @@ class TensorGroupProcessor:
         leaves, templates, alias, roots = grouped
         plan = GroupPlan()
         leaf_refs: dict[int, _Ref] = {}
-        casts = self._casts(roots, leaves, sorted(set(alias)))
+        casts = casts_among(roots, leaves, sorted(set(alias)), _BASE_COVERAGE)
         for root_key, (root, members) in roots.items():
             if root_key in casts:
                 continue  # rebuilt from its source below
@@ -338,7 +327,7 @@ class TensorGroupProcessor:
         """
         grouped = self._group(entries)
         leaves, _, alias, roots = grouped
-        casts = self._casts(roots, leaves, sorted(set(alias)))
+        casts = casts_among(roots, leaves, sorted(set(alias)), _BASE_COVERAGE)
         if not casts:
             return {}
         pushed = _pushed(grouped)
@@ -377,35 +366,6 @@ class TensorGroupProcessor:
             else:
                 roots.setdefault(_storage_key(base), (base, []))[1].append(i)
         return _Grouped(leaves, templates, alias, roots)
-
-    @staticmethod
-    def _casts(
-        roots: dict[tuple[object, ...], tuple[torch.Tensor, list[int]]],
-        leaves: list[_Leaf],
-        distinct: list[int],
-    ) -> dict[tuple[object, ...], int]:
-        """Roots rebuilt as casts of a saved source -> the source's leaf index (NOTE
-        [Casts rebuilt from their source] in ``recast.py``).
-
-        A root qualifies when one tensor is saved of it: itself, or a view of its dtype
-        that holds at least ``_BASE_COVERAGE`` of it (the rebuilt cast is the whole
-        root; several views of one cast would each rebuild it, so they are moved).
-        """
-        keys = [
-            key
-            for key, (root, members) in roots.items()
-            if len(members) == 1
-            and leaves[members[0]].clock >= 0  # not marked by start_offload
-            and leaves[members[0]].tensor.dtype == root.dtype
-            and leaves[members[0]].tensor.numel() >= _BASE_COVERAGE * root.numel()
-        ]
-        sources = [i for i in distinct if leaves[i].tensor._base is None]
-        found = find_casts(
-            [roots[key][0] for key in keys],
-            [leaves[i].tensor for i in sources],
-            [leaves[i].clock for i in sources],
-        )
-        return {keys[c]: sources[s] for c, s in found.items()}
 
     def _flatten(self, tensor: torch.Tensor, entry: SavedEntry, leaves: list[_Leaf]) -> object:
         # A template mirrors the nesting of wrapper subclasses; ints are leaf indices.
