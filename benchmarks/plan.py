@@ -24,8 +24,10 @@ which pace models the measured median.
     python benchmarks/plan.py --parts        # plans per part of a layer too
 
 With ``--parts`` the profile has each layer's parts, the plan may choose per part, and
-beside it run the plan of whole layers for the same budget and the one-part methods (one
-part recomputed or offloaded in every layer, as Megatron-LM's ``recompute_modules``).
+beside it run the plan of whole layers for the same budget, the one-part methods (one
+part recomputed or offloaded in every layer, as Megatron-LM's ``recompute_modules``), and
+the part whose recomputation frees most recomputed in every layer with the rest of the
+first k layers offloaded (Megatron-LM's selective recomputation beside our offloading).
 On the ``transformers`` Llama the model's own activation checkpointing of every layer,
 with and without its ``offload=True`` (where its version has it), runs among the methods.
 ``--ks 2,4,8`` limits the single methods to those k, for the large workloads.
@@ -48,6 +50,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _plan_methods import recomputed_part_with_offload  # noqa: E402
 from _plan_report import markdown, whole_letters  # noqa: E402
 from _plan_workloads import WORKLOAD_DIMS, build, own_methods  # noqa: E402
 from _report import bit_identical, exact, run_isolated, timed_as_users_train, write_reports  # noqa: E402
@@ -238,7 +241,9 @@ def _timed(  # type: ignore[no-untyped-def]
         for m, c in single_methods(n).items()
         if wanted is None or m.split()[-1] in wanted | {"all"}
     }
-    methods |= part_methods(profile) if parts else {}
+    if parts:
+        methods |= part_methods(profile)
+        methods |= recomputed_part_with_offload(profile, ks or (n // 4, n // 2))
     own = own_methods(model)
 
     # The plans for the budgets, each applied once with its budget check; with parts,

@@ -3,6 +3,7 @@ recorded (its pace factor goes into the results) and the report shows the factor
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import sys
 from pathlib import Path
@@ -83,3 +84,33 @@ def test_the_calm_profile_s_scale_is_recorded_beside_the_main_one() -> None:
     assert calm_host == "calm rounds' profile, at steady pace" and calm_scale == 0.75
     assert plan._paces(_Runner(), parts=True) == ((1.06, 1.25), None, None)
     assert plan._paces(None, parts=False) == (None, None, None)
+
+
+def _methods_script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "plan_methods", ROOT / "benchmarks/_plan_methods.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_selective_recomputation_beside_offloading_of_the_first_k() -> None:
+    # The core's scores are the largest storage: recomputing the core in every layer
+    # frees most, and the rest of the first k layers is offloaded, never the last layer.
+    from test_plan_parts import LAYER, _parts
+
+    from cpu_offload.plan import Choice, Link, Profile
+
+    K, R, OFF = Choice.KEEP, Choice.RECOMPUTE, Choice.OFFLOAD
+    profile = Profile((LAYER,) * 4, Link(d2h_gbps=1.0, h2d_gbps=1.0))
+    methods = _methods_script().recomputed_part_with_offload(profile, [0, 1, 3, 4, 3])
+    assert list(methods) == [
+        "recompute core in every layer, the rest of the first 1 offloaded",
+        "recompute core in every layer, the rest of the first 3 offloaded",
+    ]
+    first_three = methods["recompute core in every layer, the rest of the first 3 offloaded"]
+    assert first_three == (_parts(OFF, R, OFF),) * 3 + (_parts(K, R, K),)
+    no_parts = Profile((dataclasses.replace(LAYER, parts=()),) * 4, profile.link)
+    assert _methods_script().recomputed_part_with_offload(no_parts, [2]) == {}
