@@ -42,11 +42,13 @@ __all__ = [
 # torch.no_grad, a skipped batch, an exception between layers) then keeps every such
 # tensor alive for good. Returning ``tensor.detach()`` (a new tensor object over the
 # same storage and version counter) breaks the cycle at no copy; autograd re-attaches
-# the grad_fn when it unpacks. Every tensor a pack hook of ours keeps goes back detached,
-# except, in V2, a leaf that requires grad (a weight): it holds no node and cannot get
-# one while it requires grad (autograd refuses an in-place change of such a leaf outside
-# torch.no_grad), so it closes no cycle, and a detach costs half a microsecond for each
-# of an offloaded layer's weights. A tensor that needs no grad is detached all the same:
+# the grad_fn when it unpacks. Every tensor a pack hook of ours keeps goes back detached
+# (in a KeptAsSaved: NOTE [Kept tensors keep their version check] in
+# engine/saved_checks.py), except a leaf that requires grad (a weight): it holds no node
+# and cannot get one while it requires grad (autograd refuses an in-place change of such
+# a leaf outside torch.no_grad), so it closes no cycle, and a detach costs half a
+# microsecond for each of an offloaded layer's weights. A tensor that needs no grad is
+# detached all the same:
 # an in-place op may give it a grad_fn after its save (``h.add_(h * w)``) whose graph
 # reaches the node that saved it.
 
