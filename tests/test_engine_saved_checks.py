@@ -53,6 +53,10 @@ _PATHS: dict[str, dict[str, Any]] = {
         "min_tensor_size_to_offload": 1 << 40,
     },
     "kept with its casts rebuilt": {"recast": [0], "min_tensor_size_to_offload": 1},
+    "kept with its casts rebuilt, below the size threshold": {
+        "recast": [0],
+        "min_tensor_size_to_offload": 1 << 40,
+    },
     "a kept part beside an offloaded part": {"parts": {0: {"inner": "offload"}}},
 }
 
