@@ -25,14 +25,15 @@ def recomputed_part_with_offload(
         first 4 offloaded"``) -> choices.
     """
     recomputed = [
-        (name, plan)
+        (name, plan, part)
         for name, plan in part_methods(profile).items()
-        if any(choice is Choice.RECOMPUTE for _, choice in _parts(plan[0]).choices)
+        if isinstance(plan[0], Parts)
+        for part, choice in plan[0].choices
+        if choice is Choice.RECOMPUTE
     ]
     if not recomputed:
         return {}
-    label, plan = min(recomputed, key=lambda item: estimate(profile, item[1]).peak_bytes)
-    part = next(name for name, choice in _parts(plan[0]).choices if choice is Choice.RECOMPUTE)
+    label, _, part = min(recomputed, key=lambda item: estimate(profile, item[1]).peak_bytes)
     n = profile.num_layers
     out: dict[str, tuple[Choice | Parts, ...]] = {}
     for k in sorted(set(ks)):
@@ -50,8 +51,3 @@ def recomputed_part_with_offload(
             )
         out[f"{label}, the rest of the first {k} offloaded"] = tuple(plan_k)
     return out
-
-
-def _parts(choice: Choice | Parts) -> Parts:
-    assert isinstance(choice, Parts), "part_methods gives each layer its parts"
-    return choice

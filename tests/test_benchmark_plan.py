@@ -114,3 +114,5 @@ def test_selective_recomputation_beside_offloading_of_the_first_k() -> None:
     assert first_three == (_parts(OFF, R, OFF),) * 3 + (_parts(K, R, K),)
     no_parts = Profile((dataclasses.replace(LAYER, parts=()),) * 4, profile.link)
     assert _methods_script().recomputed_part_with_offload(no_parts, [2]) == {}
+    one = Profile((LAYER,), profile.link)  # one layer: nothing to offload, no k fits
+    assert _methods_script().recomputed_part_with_offload(one, [1, 2]) == {}
