@@ -160,8 +160,8 @@ def test_a_cast_of_a_rebuilt_cast_stays_as_it_is() -> None:
     def forward() -> torch.Tensor:
         half = x.softmax(-1).to(torch.bfloat16)  # a cast of the softmax, saved by @ v
         first = (half @ v).float().sum()
-        full = half.to(torch.float32)  # a cast of that cast, saved by @ w
-        return first + (full @ w).sum()
+        full = half.to(torch.float32)  # a cast of that cast, saved by @ w and by * w
+        return first + (full @ w).sum() + (full * w).sum()
 
     with layer.saving():
         y = forward()

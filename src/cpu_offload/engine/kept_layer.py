@@ -212,13 +212,12 @@ class KeptLayer:
         ]
         casts = self._processor.casts_to_rebuild(entries) if entries else {}
         # A cast saved twice has one CastRef for both saves.
-        self.recast_bytes = sum(ref.nbytes for ref in {id(r): r for r in casts.values()}.values())
+        rebuilt: dict[int, CastRef] = {}
         for j, ref in casts.items():  # in saving order: a source comes first
             source = cells[among[typing.cast(int, ref.source)]]
             if source.tensor is None:
-                # A cast of a cast: its source goes already; this one stays as it is.
-                self.recast_bytes -= ref.nbytes
-                continue
+                continue  # a cast of a cast: its source goes already; this one stays
+            rebuilt[id(ref)] = ref
             cell = cells[among[j]]
             cell.cast, cell.source, cell.source_version = ref, source.tensor, source.version
             # The cast itself: a view of it saved (bmm's 3-D probabilities) dies here,
@@ -226,6 +225,7 @@ class KeptLayer:
             saved = entries[j].tensor
             cell.original = weakref.ref(saved if saved._base is None else saved._base)
             cell.tensor = None
+        self.recast_bytes = sum(ref.nbytes for ref in rebuilt.values())
 
     def abandon(self) -> None:
         """After a forward that raised: let go of the tensors it was given. What its
