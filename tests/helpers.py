@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 import warnings
 import weakref
@@ -29,6 +30,9 @@ class StepResult:
     loss: torch.Tensor
     grads: list[torch.Tensor]
     peak_bytes: int = 0  # peak CUDA memory above the level before the step
+    # The same for the bytes tensors asked for: max_memory_allocated counts whole blocks,
+    # whose sizes depend on what the allocator cached before (up to 1 MiB more a block).
+    requested_peak_bytes: int = 0
 
 
 def step(
@@ -47,8 +51,10 @@ def step(
         p.grad = None
     cuda = next(layers.parameters()).is_cuda
     if cuda:
+        gc.collect()  # an earlier test's garbage freed mid-step would lower the peak read
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
+        requested_base = torch.cuda.memory_stats()["requested_bytes.all.current"]
         torch.cuda.reset_peak_memory_stats()
     out = run_layers(layers, make_input(), context, sync)
     if between is not None:
@@ -56,11 +62,13 @@ def step(
     loss = out.float().square().mean()
     del out
     loss.backward()
-    peak = 0
+    peak = requested = 0
     if cuda:
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
-    return StepResult(loss.detach().clone(), [p.grad.clone() for p in layers.parameters()], peak)
+        requested = torch.cuda.memory_stats()["requested_bytes.all.peak"] - requested_base
+    grads = [p.grad.clone() for p in layers.parameters()]
+    return StepResult(loss.detach().clone(), grads, peak, requested)
 
 
 def v2_context(k: int = 1, n: int = V2_LAYERS, **kwargs: Any) -> Any:

@@ -46,7 +46,7 @@ def test_reloads_follow_the_reads_exactly_at_no_higher_peak(kind, deterministic,
             assert_bit_equal(ref, got)
             if recorder is not None and iteration > 0:
                 recorder.assert_queued_in_read_order()
-            out.append(got.peak_bytes)
+            out.append(got.requested_peak_bytes)
         return out
 
     with monkeypatch.context() as m:

@@ -30,6 +30,13 @@ def test_a_slow_host_does_not_read_as_a_slow_link(monkeypatch):
     assert len(stalls) >= 3 + 3 + 2 * 3
     # Timed from the host's side, each copy would read 5 ms longer: 5 times slower. Other
     # tests' copies may share the link with either reading (pytest -n), so the two are
-    # compared with room for that, far from the factor a host-side clock would give.
-    for name, q, s in zip(("d2h", "h2d", "both"), quiet, stalled, strict=True):
-        assert s > 0.5 * q, (name, quiet, stalled)
+    # compared with room for that, far from the factor a host-side clock would give. A
+    # reading that other copies slowed is taken again: they pass, a host-side clock would
+    # read slow every time.
+    best = list(stalled)
+    for _ in range(3):
+        if all(s > 0.5 * q for q, s in zip(quiet, best, strict=True)):
+            break
+        best = [max(b, s) for b, s in zip(best, measure_link(NBYTES, repeats=3), strict=True)]
+    for name, q, s in zip(("d2h", "h2d", "both"), quiet, best, strict=True):
+        assert s > 0.5 * q, (name, quiet, stalled, best)
