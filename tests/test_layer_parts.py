@@ -280,3 +280,103 @@ def test_v1_offloads_no_parts(monkeypatch: pytest.MonkeyPatch) -> None:
     want = _train(model, _batches(1))
     with offload_layers(model, parts={0: {"mlp": "recompute"}}):
         _assert_equal(_train(model, _batches(1)), want)
+
+
+def _events(model: nn.Sequential, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
+    """Each layer state's start_offload and the start of each block's attention and MLP,
+    in order."""
+    from cpu_offload.engine.layer_state import OffloadableLayerState
+
+    events: list[tuple[str, str]] = []
+    start = OffloadableLayerState.start_offload
+
+    def recorded(self: OffloadableLayerState) -> None:
+        events.append(("copies", self.name))
+        start(self)
+
+    monkeypatch.setattr(OffloadableLayerState, "start_offload", recorded)
+    for i, block in enumerate(model):
+        for name in ("attn", "mlp"):
+            module = getattr(block, name)
+            module.register_forward_pre_hook(lambda *_, e=(name, f"layer {i}"): events.append(e))
+    return events
+
+
+@pytest.mark.parametrize(
+    ("parts", "copies_after"),
+    [
+        ({"norm1": "offload"}, None),  # queued before the rest of the layer runs
+        ({"norm1": "offload", "attn": "offload"}, "attn"),  # after the last offloaded one
+        ({"norm1": "offload", "mlp": "recompute"}, None),
+    ],
+)
+def test_a_layers_copies_are_queued_after_its_last_offloaded_part(
+    parts, copies_after, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    # NOTE [Parts of a layer]: the copies run beside the rest of the layer.
+    model = _blocks()
+    batches = _batches()
+    want = _train(model, batches)
+    events = _events(model, monkeypatch)
+    plan = {i: dict(parts) for i in range(3)}
+    got, transport, _ = _run(model, batches, parts=plan)
+    _assert_equal(got, want)
+    assert transport.bytes_offloaded > 0
+    first = events[: events.index(("mlp", "layer 0")) + 1]  # up to the MLP's start
+    expected = [("attn", "layer 0"), ("mlp", "layer 0")]
+    at = 0 if copies_after is None else 1
+    assert first == expected[:at] + [("copies", "layer 0")] + expected[at:]
+    assert events.count(("copies", "layer 2")) == len(batches)
+
+
+class Twice(Block):
+    """A block whose first norm runs twice in one forward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(self.norm1(x))
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+def test_an_offloaded_part_run_again_after_its_layers_copies_keeps_what_it_saves() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Twice() for _ in range(3)])
+    batches = _batches()
+    want = _train(model, batches)
+    part = {"norm1": "offload"}
+    got, transport, _ = _run(model, batches, parts={0: part, 1: part})
+    _assert_equal(got, want)
+    # The first call of each norm moves its input; the second keeps its own.
+    x = batches[0]
+    assert transport.bytes_offloaded == len(batches) * 2 * x.numel() * x.element_size()
+
+
+class MarksLate(Block):
+    """A block that marks its input complete after its first norm saved it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from cpu_offload import start_offload
+
+        h = self.norm1(x)
+        start_offload(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+def test_start_offload_after_the_last_offloaded_part_is_refused() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[MarksLate() for _ in range(3)])
+    batches = _batches(1)
+    want = _train(model, batches)
+    handle = offload_layers(
+        model,
+        parts={0: {"norm1": "offload"}},
+        transport=HostTransport(),
+        min_tensor_size_to_offload=MIN,
+    )
+    with handle:
+        with pytest.raises(RuntimeError, match=r"start_offload\(\) after layer 0's copies"):
+            model(batches[0])
+        # Offloaded whole, the layer's copies wait for the mark; the next step is exact.
+        handle.reassign(offloaded=[0])
+        _assert_equal(_train(model, batches), want)

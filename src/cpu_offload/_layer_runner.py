@@ -167,6 +167,10 @@ class Runner:
         self._warned_recast = False
         #: The layer whose training forward runs now, for its parts (None between layers).
         self.running: int | None = None
+        #: The running layer's offloaded parts that have run, and whether its copies are
+        #: queued since the last of them (NOTE [Parts of a layer]).
+        self._parts_ran: set[str] = set()
+        self._copies_queued = False
         self._engine_hooks: tuple[Any, Any] | None = None  # (synchronizer, its hooks)
         self.last_index: int | None = None
         self.watch: StepWatch | None = None
@@ -232,6 +236,8 @@ class Runner:
                 kwargs = {**kwargs, **dict.fromkeys(self._dropped, None)}
             self.depth += 1
             self.running = index  # for its parts
+            self._parts_ran.clear()
+            self._copies_queued = False
             try:
                 out = self._run(index, forward, args, kwargs, callback)
             finally:
@@ -242,6 +248,25 @@ class Runner:
             return out
         finally:
             swap_dynamo_callback(callback)
+
+    def copies_queued(self) -> bool:
+        """Whether the running layer's copies are queued already: an offloaded part that
+        runs again after that keeps what it saves (NOTE [Parts of a layer])."""
+        return self._copies_queued
+
+    def offloaded_part_ran(self, name: str) -> None:
+        """After offloaded part ``name`` of the running layer ran: once every offloaded
+        part of it has, queue the layer's copies (NOTE [Parts of a layer])."""
+        ran = self._parts_ran
+        ran.add(name)
+        parts = self.parts.get(self.running, {}) if self.running is not None else {}
+        if any(c is Choice.OFFLOAD and n not in ran for n, c in parts.items()):
+            return
+        start = getattr(
+            getattr(self.context, "offload_synchronizer", None), "start_offload_early", None
+        )
+        if start is not None:
+            self._copies_queued = start()
 
     def warn_checkpointed_part(self, layer: int, name: str) -> None:
         """Once per handle: a part ran inside the model's own checkpoint, which keeps its
@@ -436,7 +461,13 @@ class PartRunner:
             if choice is Choice.RECOMPUTE:
                 return call_compiled(callback, recompute, forward, args, kwargs)
             hooks = owner.offload_hooks()
-            with hooks if hooks is not None else contextlib.nullcontext():
+            if hooks is None or owner.copies_queued():
+                # Run again after its layer's copies were queued: the layer's hooks
+                # keep what it saves.
                 return call_compiled(callback, run_layer, *_unbound(forward, args), kwargs)
+            with hooks:
+                out = call_compiled(callback, run_layer, *_unbound(forward, args), kwargs)
+            owner.offloaded_part_ran(self.name)
+            return out
         finally:
             swap_dynamo_callback(callback)

@@ -171,12 +171,26 @@ class OffloadableLayerState:
         return len(entries) - 1
 
     def mark_ready(self, tensors: Iterable[torch.Tensor], offload_base_tensor: bool) -> None:
-        """Record that ``tensors`` are complete now (see :func:`cpu_offload.start_offload`)."""
+        """Record that ``tensors`` are complete now (see :func:`cpu_offload.start_offload`).
+
+        Raises:
+            RuntimeError: If the layer's copies, which may read one of them unfinished, are
+                queued already (NOTE [Parts of a layer] in ``cpu_offload/_layer_parts.py``).
+        """
         keys = {(t.untyped_storage().data_ptr(), t.storage_offset(), t.shape) for t in tensors}
         event = None
         for entry in self._entries:
-            t = entry.tensor
-            if (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape) in keys:
+            t = entry.tensor  # None: a cast let go once the copies were queued
+            if (
+                t is not None
+                and (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape) in keys
+            ):
+                if self.phase is not LayerPhase.NOT_OFFLOADED:
+                    raise RuntimeError(
+                        f"start_offload() after {self.name}'s copies were queued, at its last "
+                        f"offloaded part's end (state '{self.phase.value}'; allowed in: "
+                        "not_offloaded): call it inside that part, or offload the whole layer"
+                    )
                 if event is None:
                     event = self.transport.record()
                     self._seq += 1

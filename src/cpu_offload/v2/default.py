@@ -243,6 +243,27 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
         if self._offloaded[layer_id] and state.phase is LayerPhase.NOT_OFFLOADED:
             state.start_offload()
 
+    def start_offload_early(self) -> bool:
+        """Queue the current layer's copies now, before its forward ends, when it will
+        hand the engine nothing more in this forward: its last offloaded part has run
+        (NOTE [Parts of a layer] in ``cpu_offload/_layer_parts.py``). Its device memory
+        still goes at the schedule's point; only the copies start sooner, beside the
+        rest of the layer.
+
+        Returns:
+            Whether the current layer's copies are queued (now or before): False for a
+            layer not offloaded, outside a layer, or when it saved nothing to move.
+        """
+        layer = self.current_layer
+        if layer is None or not self._offloaded[layer]:
+            return False
+        state = self.layers[layer]
+        if state.phase is LayerPhase.NOT_OFFLOADED:
+            if not state.has_tensors:
+                return False
+            state.start_offload()
+        return True
+
     def _on_backward_start(self, layer_id: int) -> None:
         if self.peak_watch is not None:
             self.peak_watch.mark(2 * self.num_layers - 1 - layer_id)
