@@ -367,6 +367,9 @@ def start_offload(*tensors: torch.Tensor, offload_base_tensor: bool = False) -> 
 
     Raises:
         TypeError: If an entry is not a tensor.
+        RuntimeError: If one was saved by an offloaded part of the current layer whose
+            copies are queued already, after its last offloaded part (NOTE [Parts of a
+            layer] in ``cpu_offload/_layer_parts.py``): call it inside that part.
 
     Example:
         >>> start_offload(qkv_view, offload_base_tensor=True)  # doctest: +SKIP
