@@ -14,19 +14,21 @@ before the forward of layer ``n-m+j`` and come back at the backward of ``n-m+j-1
 whole layer's would). Its forward runs inside the offload context, whose hooks would
 offload everything it saves; so the whole forward runs under hooks that keep each tensor
 (detached and version-checked: NOTE [Kept tensors are detached], NOTE [Kept tensors keep
-their version check]), and each offloaded part's forward under the engine's own pack
-and unpack hooks again: the innermost hooks decide. Once the last offloaded part of the
-layer has run, nothing more reaches the engine in that forward, so the layer's copies are
-queued then (``DefaultOffloadSynchronizer.start_offload_early``), beside the rest of the
-layer, instead of at its end; its memory still goes at the schedule's point. (With a part
-offloaded in every layer, the schedule makes each layer's forward wait for the previous
-layer's copies: queued at the layer's end they overlapped nothing.) An offloaded part
-run again after that keeps what it saves. A recomputed
-part runs through the same non-reentrant checkpoint as a recomputed layer (NOTE
-[Recomputation runs the whole layer]), whose own hooks take what the part saves; the
-checkpoint's copy of the part's inputs is saved under the enclosing hooks, and kept. Under
-``torch.no_grad()``, in a recomputation in backward, or inside a model's own checkpoint,
-a part runs as it is.
+their version check]), and each offloaded part's forward under the engine's own pack and
+unpack hooks again: the innermost hooks decide. Once every offloaded part of the layer has
+run, and none runs any more (one may call another), nothing more reaches the engine in
+that forward: the layer's copies are queued then
+(``DefaultOffloadSynchronizer.start_offload_early``), beside the rest of the layer, not at
+its end. With a part offloaded in every layer but the last, the schedule makes each
+layer's forward wait for the previous layer's copies, which queued at the layer's end
+overlapped nothing. Its memory still goes at the schedule's point, and its saved casts at
+its end (after a version check: NOTE [Casts rebuilt from their source] in
+``engine/recast.py``); ``start_offload`` on what it saved is refused from then on, and an
+offloaded part run again keeps what it saves. A recomputed part runs through the same
+non-reentrant checkpoint as a recomputed layer (NOTE [Recomputation runs the whole
+layer]), whose own hooks take what the part saves; the checkpoint's copy of the part's
+inputs is saved under the enclosing hooks, and kept. Under ``torch.no_grad()``, in a
+recomputation in backward, or inside a model's own checkpoint, a part runs as it is.
 """
 
 from __future__ import annotations

@@ -180,16 +180,17 @@ class OffloadableLayerState:
         keys = {(t.untyped_storage().data_ptr(), t.storage_offset(), t.shape) for t in tensors}
         event = None
         for entry in self._entries:
-            t = entry.tensor  # None: a cast let go once the copies were queued
+            t = entry.tensor if entry.tensor is not None else entry.weak and entry.weak()
             if (
                 t is not None
                 and (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape) in keys
             ):
                 if self.phase is not LayerPhase.NOT_OFFLOADED:
                     raise RuntimeError(
-                        f"start_offload() after {self.name}'s copies were queued, at its last "
-                        f"offloaded part's end (state '{self.phase.value}'; allowed in: "
-                        "not_offloaded): call it inside that part, or offload the whole layer"
+                        f"start_offload() on a tensor {self.name} saved, after the layer's "
+                        f"copies were queued (state '{self.phase.value}'; allowed in: "
+                        "not_offloaded), which may have read it unfinished: mark it before, "
+                        "inside the part that saves it where parts of the layer are offloaded"
                     )
                 if event is None:
                     event = self.transport.record()
@@ -200,11 +201,16 @@ class OffloadableLayerState:
                 # a cast's source, nor a cast (NOTE [Casts rebuilt from their source]).
                 entry.clock = -1
 
-    def start_offload(self) -> None:
+    def start_offload(self, casts_go: bool = True) -> None:
         """Group the pushed tensors and queue their copies to the host.
 
         Each copy waits for the event recorded when its tensor was saved, so it may run
         while the layer's later kernels still compute.
+
+        Args:
+            casts_go: Let the saved casts go now (:meth:`let_casts_go`); False while the
+                layer's forward still runs (NOTE [Parts of a layer] in
+                ``cpu_offload/_layer_parts.py``).
 
         Raises:
             RuntimeError: In the wrong state, or when retained buffers no longer fit.
@@ -266,11 +272,19 @@ class OffloadableLayerState:
         self.transport.recycle(ready)
         if _log.debug_enabled():
             log_offload(self.name, plan, self._entries)
-        # A saved cast is rebuilt from its source's reload: no copy reads it, so its
-        # device memory goes now (NOTE [Casts rebuilt from their source] in recast.py).
-        for entry, ref in zip(self._entries, plan.refs, strict=True):
-            if isinstance(ref, CastRef) and entry.tensor is not None:
-                entry.weak = weakref.ref(entry.tensor)
+        if casts_go:
+            self.let_casts_go()
+
+    def let_casts_go(self) -> None:
+        """Drop the saved casts, rebuilt from their sources' reloads: no copy reads them,
+        so their device memory goes now (NOTE [Casts rebuilt from their source] in
+        ``recast.py``). One changed in place since its save stays, so that backward
+        fails as without offloading."""
+        refs = self._plan.refs if self._plan is not None else []
+        for entry, ref in zip(self._entries, refs, strict=False):
+            t = entry.tensor
+            if isinstance(ref, CastRef) and t is not None and t._version == entry.version:
+                entry.weak = weakref.ref(t)
                 entry.tensor = None  # type: ignore[assignment]
 
     def release_activation_forward_gpu_memory(self) -> None:

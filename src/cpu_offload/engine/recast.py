@@ -18,7 +18,8 @@ but rebuilt from its source ``s`` when all of these hold:
 * the layer saves ``t`` itself or one view of it (``bmm`` saves the probabilities
   reshaped to 3-D) holding at least half of it: several views would each rebuild all of
   ``t`` in backward, so they are moved as before;
-* ``t`` is at version 0 when the layer's copies start: nothing changed it after the cast;
+* ``t`` is at version 0 when the layer's copies start, and still when its device memory
+  goes (below): nothing changed it after the cast;
 * ``s`` was saved before the cast ran: the cast's node was made after ``s``'s pack hook
   ran (``_compat.autograd_clock``), and ``s`` is at the version it was saved at when the
   layer's copies start (else it is kept on the device, and backward raises as without
@@ -31,18 +32,20 @@ but rebuilt from its source ``s`` when all of these hold:
   a raw pointer) between the cast and the layer's end are not seen: mark such a tensor
   with ``start_offload`` or ``mark_not_offload``.
 
-With attention dropout the product with v saves the dropout's output, not the cast: nothing
-is rebuilt there. Backward then reads ``s``'s reload and casts it into a tensor with ``t``'s size and
-strides (``torch.empty_strided(...).copy_(s)``, the kernel ``_to_copy`` runs), then takes
-the saved view of it. The engine drops its reference to ``t`` when the layer's copies
-start (no copy reads it), so ``t``'s device memory goes then, before any release of the
-moved tensors (a deferred release holds only what the deferral budget counted), and
-comes back only when backward reads it; a cast saved twice is rebuilt once for both. Each read of the
-cast checks that ``s`` is still at its saved version, so a ``s`` changed after the
-layer's copies started (kept on the device by a byte budget, say) fails loudly instead of
-giving other values. V1 and V2 share this (it is the engine's tensor grouping), but V1
-moves only marked tensors: there the cast and its source must both be marked. A layer
-that is kept or recomputed is not touched.
+With attention dropout the product with v saves the dropout's output, not the cast:
+nothing is rebuilt there. Backward then reads ``s``'s reload and casts it into a tensor
+with ``t``'s size and strides (``torch.empty_strided(...).copy_(s)``, the kernel
+``_to_copy`` runs), then takes the saved view of it. The engine drops its reference to
+``t`` when the layer's copies start (no copy reads it), or at its forward's end where they
+start before it (after its last offloaded part: NOTE [Parts of a layer] in
+``cpu_offload/_layer_parts.py``), so ``t``'s device memory goes then, before any release
+of the moved tensors (a deferred release holds only what the deferral budget counted), and
+comes back only when backward reads it; a cast saved twice is rebuilt once for both. Each
+read of the cast checks that ``s`` is still at its saved version, so a ``s`` changed after
+the layer's copies started (kept on the device by a byte budget, say) fails loudly instead
+of giving other values. V1 and V2 share this (it is the engine's tensor grouping), but V1
+moves only marked tensors: there the cast and its source must both be marked. A layer that
+is kept or recomputed is not touched.
 """
 
 from __future__ import annotations

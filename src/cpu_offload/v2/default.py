@@ -240,8 +240,12 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
 
     def _on_forward_end(self, layer_id: int) -> None:
         state = self.layers[layer_id]
-        if self._offloaded[layer_id] and state.phase is LayerPhase.NOT_OFFLOADED:
+        if not self._offloaded[layer_id]:
+            return
+        if state.phase is LayerPhase.NOT_OFFLOADED:
             state.start_offload()
+        elif state.phase is LayerPhase.OFFLOAD_STARTED:
+            state.let_casts_go()  # queued early: its casts go at its end, as they would
 
     def start_offload_early(self) -> bool:
         """Queue the current layer's copies now, before its forward ends, when it will
@@ -261,7 +265,10 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
         if state.phase is LayerPhase.NOT_OFFLOADED:
             if not state.has_tensors:
                 return False
-            state.start_offload()
+            # Its casts go at its forward's end: the rest of the layer may still change
+            # one in place, which backward must then refuse (NOTE [Casts rebuilt from
+            # their source] in engine/recast.py).
+            state.start_offload(casts_go=False)
         return True
 
     def _on_backward_start(self, layer_id: int) -> None:
