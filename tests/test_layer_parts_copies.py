@@ -4,6 +4,8 @@ let go at the same points as before (CPU stand-in)."""
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 import weakref
 
 import pytest
@@ -153,7 +155,8 @@ class CastPart(nn.Module):
 
 class CastLayer(nn.Module):
     """Changes the part's saved cast after the part: in place, or behind the version
-    counter and then marked with start_offload."""
+    counter and then marked with start_offload; after a gradient taken inside the layer
+    (``"grad, ..."``) or not."""
 
     def __init__(self, how: str) -> None:
         super().__init__()
@@ -163,9 +166,11 @@ class CastLayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y, t = self.part(x)
-        if self.how == "in place":
+        if self.how.startswith("grad"):  # a penalty's gradient, taken inside the layer
+            torch.autograd.grad(y.float().sum(), self.part.w, retain_graph=True)
+        if self.how.endswith("in place"):
             t.mul_(2)
-        elif self.how == "marked":
+        elif self.how.endswith("marked"):
             t.data.mul_(2)
             start_offload(t)
         return x + self.lin(y.float())
@@ -181,8 +186,9 @@ class Plain(nn.Module):
 
 
 def _cast_model(how: str) -> nn.Sequential:
+    # Five layers: layer 1's memory goes at layer 4's start, its casts at its own end.
     torch.manual_seed(0)
-    return nn.Sequential(Plain(), CastLayer(how), Plain())
+    return nn.Sequential(Plain(), CastLayer(how), Plain(), Plain(), Plain())
 
 
 def test_a_saved_cast_is_rebuilt_and_goes_at_its_layers_end() -> None:
@@ -200,12 +206,25 @@ def test_a_saved_cast_is_rebuilt_and_goes_at_its_layers_end() -> None:
     assert transport.bytes_offloaded == len(batches) * batches[0].numel() * 4
 
 
-def test_a_saved_cast_changed_in_place_after_the_part_fails_in_backward() -> None:
-    model = _cast_model("in place")
+@pytest.mark.parametrize("how", ["in place", "grad, in place"])
+def test_a_saved_cast_changed_in_place_after_the_part_fails_in_backward(how: str) -> None:
+    model = _cast_model(how)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         _train(model, _batches(1))  # as without offloading
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         _run(model, _batches(1), parts={1: {"part": "offload"}})
+
+
+def test_a_gradient_inside_the_layer_reads_its_saved_tensors_on_the_device() -> None:
+    # After the copies were queued, as before them: no release, no reload, no warning.
+    model = _cast_model("grad")
+    batches = _batches()
+    want = _train(model, batches)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got, transport, _ = _run(model, batches, parts={1: {"part": "offload"}})
+    _assert_equal(got, want)
+    assert transport.bytes_offloaded == len(batches) * batches[0].numel() * 4
 
 
 class MarksLate(Block):
@@ -225,7 +244,8 @@ def _marking(kind: str) -> tuple[nn.Sequential, dict, str]:
     if kind == "saved input":
         torch.manual_seed(0)
         return nn.Sequential(*[MarksLate() for _ in range(3)]), {0: {"norm1": "offload"}}, "0"
-    return _cast_model("marked"), {1: {"part": "offload"}}, "1"
+    how = {"saved cast": "marked", "saved cast, after a gradient": "grad, marked"}[kind]
+    return _cast_model(how), {1: {"part": "offload"}}, "1"
 
 
 def _stop_marking(layers: nn.Sequential) -> None:
@@ -233,10 +253,10 @@ def _stop_marking(layers: nn.Sequential) -> None:
         if isinstance(layer, MarksLate):
             layer.marks = False
         elif isinstance(layer, CastLayer):
-            layer.how = "unchanged"
+            layer.how = layer.how.replace("marked", "unchanged")
 
 
-@pytest.mark.parametrize("kind", ["saved input", "saved cast"])
+@pytest.mark.parametrize("kind", ["saved input", "saved cast", "saved cast, after a gradient"])
 def test_start_offload_after_the_last_offloaded_part_is_refused(kind: str) -> None:
     layers, parts, index = _marking(kind)
     batches = _batches()
@@ -252,3 +272,40 @@ def test_start_offload_after_the_last_offloaded_part_is_refused(kind: str) -> No
         _stop_marking(layers)
         got = _train(layers, batches)
     _assert_equal(got, _train(layers, batches))
+
+
+def test_a_manual_start_in_the_layers_forward_lets_its_casts_go_at_its_end() -> None:
+    from cpu_offload.v2 import get_cpu_offload_context
+
+    torch.manual_seed(0)
+    w = torch.randn(D).bfloat16().requires_grad_()
+    x = torch.randn(64, D, requires_grad=True)
+
+    def step(offload: bool, change: bool) -> torch.Tensor:
+        w.grad = x.grad = None
+        ctx, sync, manual = get_cpu_offload_context(
+            True,
+            model_layers=1,
+            manual_synchronization=True,
+            transport=HostTransport(),
+            min_tensor_size_to_offload=1,
+        )
+        with ctx if offload else contextlib.nullcontext():
+            t = x.exp().to(torch.bfloat16)
+            y = t * w
+            if offload:
+                manual.start_offload_layer(0)  # in the layer's own forward
+            if change:
+                t.mul_(2)
+        del t
+        if offload:
+            y = sync(y)
+            manual.release_activation_forward_gpu_memory(0)
+            manual.start_reload_layer(0)
+        y.float().sum().backward()
+        return w.grad.clone()
+
+    for offload in (False, True):
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            step(offload, change=True)
+    assert torch.equal(step(True, change=False), step(False, change=False))

@@ -476,6 +476,18 @@ class OffloadableLayerState:
                 unit.reloaded = None
         return out
 
+    def saved_tensor(self, index: int) -> torch.Tensor | None:
+        """Pushed tensor ``index`` itself, version-checked, while the layer still holds
+        it on the device after its copies were queued (None once it let it go).
+
+        Raises:
+            RuntimeError: If it was changed in place since it was saved.
+        """
+        self._expect("saved_tensor", LayerPhase.OFFLOAD_STARTED)
+        entry = self._entries[index]
+        check_saved_version(entry, self.name)
+        return entry.tensor
+
     def wait_for_reloads(self) -> None:
         """Make the current stream wait for every reload copy still outstanding.
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..engine.layer_state import OffloadableLayerState
+from ..engine.layer_state import LayerPhase, OffloadableLayerState
 from .synchronizer import OffloadSynchronizer
 
 __all__ = ["ManualOffloadSynchronizer"]
@@ -24,12 +24,20 @@ class ManualOffloadSynchronizer(OffloadSynchronizer):
     def start_offload_layer(self, layer_id: int) -> None:
         """Queue asynchronous device-to-host copies of ``layer_id``'s saved tensors.
 
-        Each copy waits for the event recorded when its tensor was saved.
+        Each copy waits for the event recorded when its tensor was saved. Called in the
+        layer's own forward, its saved casts go at the forward's end, as where the
+        default schedule queues a layer's copies early (NOTE [Parts of a layer] in
+        ``cpu_offload/_layer_parts.py``).
 
         Raises:
             RuntimeError: If the layer's offload already started.
         """
-        self._layer(layer_id).start_offload()
+        self._layer(layer_id).start_offload(casts_go=layer_id != self.current_layer)
+
+    def _on_forward_end(self, layer_id: int) -> None:
+        state = self.layers[layer_id]
+        if state.phase is LayerPhase.OFFLOAD_STARTED:
+            state.let_casts_go()
 
     def release_activation_forward_gpu_memory(self, layer_id: int) -> None:
         """Make the current stream wait for ``layer_id``'s offload, then free its memory.

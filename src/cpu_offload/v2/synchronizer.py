@@ -308,6 +308,12 @@ class OffloadSynchronizer:
                 "context per micro-batch in flight)"
             )
         state = self.layers[packed.layer]
+        if state.phase is LayerPhase.OFFLOAD_STARTED and packed.layer == self.current_layer:
+            # Read in its own forward after its copies were queued (autograd.grad inside
+            # the layer; NOTE [Parts of a layer]): still on the device, as before them.
+            kept = state.saved_tensor(int(packed))
+            if kept is not None:
+                return kept
         if state.phase in (LayerPhase.OFFLOAD_STARTED, LayerPhase.OFFLOAD_FINISHED):
             self._reload_on_demand(packed.layer, state)
         return state.pop_tensor(int(packed))
