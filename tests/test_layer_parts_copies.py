@@ -309,3 +309,43 @@ def test_a_manual_start_in_the_layers_forward_lets_its_casts_go_at_its_end() -> 
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             step(offload, change=True)
     assert torch.equal(step(True, change=False), step(False, change=False))
+
+
+@pytest.mark.parametrize("inside", [True, False])
+def test_a_manual_start_lets_the_casts_go_at_the_forward_end_or_at_once(inside: bool) -> None:
+    # Inside the layer's `with` block the rest of its forward may still change a cast;
+    # after it (as PipelineStageOffload calls it) nothing can, and the cast goes at once.
+    from cpu_offload.v2 import get_cpu_offload_context
+
+    torch.manual_seed(0)
+    w = torch.randn(D).bfloat16().requires_grad_()
+    x = torch.randn(64, D, requires_grad=True)
+    (x.exp().to(torch.bfloat16) * w * 2).float().sum().backward()
+    want = w.grad.clone()
+    w.grad = None
+    ctx, sync, manual = get_cpu_offload_context(
+        True,
+        model_layers=2,
+        manual_synchronization=True,
+        transport=HostTransport(),
+        min_tensor_size_to_offload=1,
+    )
+    with ctx:
+        t = x.exp().to(torch.bfloat16)
+        y = t * w
+        cast = weakref.ref(t)
+        del t  # the engine's entry holds it now
+        if inside:
+            manual.start_offload_layer(0)
+    y = sync(y)
+    if not inside:
+        manual.start_offload_layer(0)
+    assert (cast() is not None) == inside
+    with ctx:  # layer 1's start ends layer 0's forward
+        z = y * 2
+    assert cast() is None
+    z = sync(z)
+    manual.release_activation_forward_gpu_memory(0)
+    manual.start_reload_layer(0)
+    z.float().sum().backward()
+    assert torch.equal(w.grad, want)

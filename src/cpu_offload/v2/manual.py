@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..engine.active import active_context
 from ..engine.layer_state import LayerPhase, OffloadableLayerState
 from .synchronizer import OffloadSynchronizer
 
@@ -24,15 +25,19 @@ class ManualOffloadSynchronizer(OffloadSynchronizer):
     def start_offload_layer(self, layer_id: int) -> None:
         """Queue asynchronous device-to-host copies of ``layer_id``'s saved tensors.
 
-        Each copy waits for the event recorded when its tensor was saved. Called in the
-        layer's own forward, its saved casts go at the forward's end, as where the
-        default schedule queues a layer's copies early (NOTE [Parts of a layer] in
-        ``cpu_offload/_layer_parts.py``).
+        Each copy waits for the event recorded when its tensor was saved. Called inside
+        the layer's own ``with`` block, its saved casts go when its forward ends (the next
+        layer's, or the backward's, start), as where the default schedule queues a
+        layer's copies early (NOTE [Parts of a layer] in ``cpu_offload/_layer_parts.py``);
+        else at once.
 
         Raises:
             RuntimeError: If the layer's offload already started.
         """
-        self._layer(layer_id).start_offload(casts_go=layer_id != self.current_layer)
+        state = self._layer(layer_id)
+        ctx = active_context()  # the context whose `with` block runs now, if any
+        own = getattr(ctx, "offload_synchronizer", None) is self
+        state.start_offload(casts_go=not (own and getattr(ctx, "layer_id", None) == layer_id))
 
     def _on_forward_end(self, layer_id: int) -> None:
         state = self.layers[layer_id]
