@@ -171,7 +171,9 @@ class Runner:
         #: queued since the last of them (NOTE [Parts of a layer]).
         self._parts_ran: set[str] = set()
         self._copies_queued = False
-        self._offloading_parts = 0  # offloaded parts running now, one inside another
+        #: Offloaded parts of it running now (one may call another): its copies wait
+        #: for the outermost (NOTE [Parts of a layer]).
+        self.offloading_parts = 0
         self._engine_hooks: tuple[Any, Any] | None = None  # (synchronizer, its hooks)
         self.last_index: int | None = None
         self.watch: StepWatch | None = None
@@ -239,7 +241,7 @@ class Runner:
             self.running = index  # for its parts
             self._parts_ran.clear()
             self._copies_queued = False
-            self._offloading_parts = 0
+            self.offloading_parts = 0
             try:
                 out = self._run(index, forward, args, kwargs, callback)
             finally:
@@ -261,7 +263,7 @@ class Runner:
         part of it has, queue the layer's copies (NOTE [Parts of a layer])."""
         ran = self._parts_ran
         ran.add(name)
-        if self._offloading_parts:  # inside another offloaded part, which saves on
+        if self.offloading_parts:  # inside another offloaded part, which saves on
             return
         parts = self.parts.get(self.running, {}) if self.running is not None else {}
         if any(c is Choice.OFFLOAD and n not in ran for n, c in parts.items()):
@@ -469,12 +471,12 @@ class PartRunner:
                 # Run again after its layer's copies were queued: the layer's hooks
                 # keep what it saves.
                 return call_compiled(callback, run_layer, *_unbound(forward, args), kwargs)
-            owner._offloading_parts += 1
+            owner.offloading_parts += 1
             try:
                 with hooks:
                     out = call_compiled(callback, run_layer, *_unbound(forward, args), kwargs)
             finally:
-                owner._offloading_parts -= 1
+                owner.offloading_parts -= 1
             owner.offloaded_part_ran(self.name)
             return out
         finally:
