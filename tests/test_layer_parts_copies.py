@@ -274,22 +274,27 @@ def test_start_offload_after_the_last_offloaded_part_is_refused(kind: str) -> No
     _assert_equal(got, _train(layers, batches))
 
 
-def test_a_manual_start_in_the_layers_forward_lets_its_casts_go_at_its_end() -> None:
+def _manual(layers: int):  # type: ignore[no-untyped-def]
+    """V2's context, sync function and manual synchronizer for ``layers`` layers."""
     from cpu_offload.v2 import get_cpu_offload_context
 
+    return get_cpu_offload_context(
+        True,
+        model_layers=layers,
+        manual_synchronization=True,
+        transport=HostTransport(),
+        min_tensor_size_to_offload=1,
+    )
+
+
+def test_a_manual_start_in_the_layers_forward_lets_its_casts_go_at_its_end() -> None:
     torch.manual_seed(0)
     w = torch.randn(D).bfloat16().requires_grad_()
     x = torch.randn(64, D, requires_grad=True)
 
     def step(offload: bool, change: bool) -> torch.Tensor:
         w.grad = x.grad = None
-        ctx, sync, manual = get_cpu_offload_context(
-            True,
-            model_layers=1,
-            manual_synchronization=True,
-            transport=HostTransport(),
-            min_tensor_size_to_offload=1,
-        )
+        ctx, sync, manual = _manual(layers=1)
         with ctx if offload else contextlib.nullcontext():
             t = x.exp().to(torch.bfloat16)
             y = t * w
@@ -315,21 +320,13 @@ def test_a_manual_start_in_the_layers_forward_lets_its_casts_go_at_its_end() -> 
 def test_a_manual_start_lets_the_casts_go_at_the_forward_end_or_at_once(inside: bool) -> None:
     # Inside the layer's `with` block the rest of its forward may still change a cast;
     # after it (as PipelineStageOffload calls it) nothing can, and the cast goes at once.
-    from cpu_offload.v2 import get_cpu_offload_context
-
     torch.manual_seed(0)
     w = torch.randn(D).bfloat16().requires_grad_()
     x = torch.randn(64, D, requires_grad=True)
     (x.exp().to(torch.bfloat16) * w * 2).float().sum().backward()
     want = w.grad.clone()
     w.grad = None
-    ctx, sync, manual = get_cpu_offload_context(
-        True,
-        model_layers=2,
-        manual_synchronization=True,
-        transport=HostTransport(),
-        min_tensor_size_to_offload=1,
-    )
+    ctx, sync, manual = _manual(layers=2)
     with ctx:
         t = x.exp().to(torch.bfloat16)
         y = t * w
