@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import weakref
 from collections.abc import Callable, Hashable, Iterable
 
 import torch
@@ -13,7 +12,14 @@ from .._compat import autograd_clock
 from .host_buffers import HostBufferPool, LayerHostBuffers
 from .layout import TensorLayout
 from .reload_order import ReadOrder
-from .saved_checks import check_saved_version, check_source_version, kept_again, log_offload
+from .saved_checks import (
+    check_saved_version,
+    check_source_version,
+    kept_again,
+    let_go,
+    log_offload,
+    saved_original,
+)
 from .tensor_group import CastRef, GroupPlan, SavedEntry, TensorGroupProcessor, Unit
 from .transport import Transport, resolve_transport
 
@@ -180,7 +186,7 @@ class OffloadableLayerState:
         keys = {(t.untyped_storage().data_ptr(), t.storage_offset(), t.shape) for t in tensors}
         event = None
         for entry in self._entries:
-            t = entry.tensor if entry.tensor is not None else entry.weak and entry.weak()
+            t = saved_original(entry)
             if (
                 t is not None
                 and (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape) in keys
@@ -284,8 +290,7 @@ class OffloadableLayerState:
         for entry, ref in zip(self._entries, refs, strict=False):
             t = entry.tensor
             if isinstance(ref, CastRef) and t is not None and t._version == entry.version:
-                entry.weak = weakref.ref(t)
-                entry.tensor = None  # type: ignore[assignment]
+                let_go(entry)
 
     def release_activation_forward_gpu_memory(self) -> None:
         """Make the current stream wait for the offload copies, then drop the device tensors
@@ -345,15 +350,14 @@ class OffloadableLayerState:
         # The pushed entries are the last references to the offloaded device memory.
         for i in entries:
             entry = self._entries[i]
-            if entry.tensor is None:  # a saved cast, dropped when the copies started
+            if entry.tensor is None:  # a saved cast, let go already (let_casts_go)
                 continue
             if entry.tensor._version != entry.version:
                 # Changed in place while its copy ran: keep it, so backward fails as
                 # it would without offloading instead of using either version.
                 plan.keep(i, entry.tensor)
                 continue
-            entry.weak = weakref.ref(entry.tensor)
-            entry.tensor = None  # type: ignore[assignment]
+            let_go(entry)
 
     # -- backward --------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ gradient where PyTorch without the package raises.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -28,7 +29,9 @@ __all__ = [
     "check_source_version",
     "inplace_error",
     "kept_again",
+    "let_go",
     "log_offload",
+    "saved_original",
     "source_changed_error",
 ]
 
@@ -96,10 +99,24 @@ class KeptAsSaved:
         return tensor
 
 
+def saved_original(entry: SavedEntry) -> torch.Tensor | None:
+    """The tensor autograd saved, while the entry or anything else holds it; else None."""
+    if entry.tensor is not None:
+        return entry.tensor
+    return None if entry.weak is None else entry.weak()
+
+
+def let_go(entry: SavedEntry) -> None:
+    """Hold the entry's tensor weakly from now on, its version still checked while
+    anything else holds it: its device memory goes with its last other holder."""
+    entry.weak = weakref.ref(entry.tensor)
+    entry.tensor = None  # type: ignore[assignment]
+
+
 def _changed(entry: SavedEntry) -> torch.Tensor | None:
     """The tensor autograd saved, if anything still holds it and it was changed in place
     since it was saved; else None."""
-    original = entry.tensor if entry.tensor is not None else (entry.weak and entry.weak())
+    original = saved_original(entry)
     return original if original is not None and original._version != entry.version else None
 
 

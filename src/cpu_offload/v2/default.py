@@ -244,8 +244,8 @@ class DefaultOffloadSynchronizer(OffloadSynchronizer):
             return
         if state.phase is LayerPhase.NOT_OFFLOADED:
             state.start_offload()
-        elif state.phase is LayerPhase.OFFLOAD_STARTED:
-            state.let_casts_go()  # queued early: its casts go at its end, as they would
+        else:
+            super()._on_forward_end(layer_id)  # queued early: its casts go now
 
     def start_offload_early(self) -> bool:
         """Queue the current layer's copies now, before its forward ends, when it will

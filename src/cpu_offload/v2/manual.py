@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..engine.active import active_context
-from ..engine.layer_state import LayerPhase, OffloadableLayerState
+from ..engine.layer_state import OffloadableLayerState
 from .synchronizer import OffloadSynchronizer
 
 __all__ = ["ManualOffloadSynchronizer"]
@@ -38,11 +38,6 @@ class ManualOffloadSynchronizer(OffloadSynchronizer):
         ctx = active_context()  # the context whose `with` block runs now, if any
         own = getattr(ctx, "offload_synchronizer", None) is self
         state.start_offload(casts_go=not (own and getattr(ctx, "layer_id", None) == layer_id))
-
-    def _on_forward_end(self, layer_id: int) -> None:
-        state = self.layers[layer_id]
-        if state.phase is LayerPhase.OFFLOAD_STARTED:
-            state.let_casts_go()
 
     def release_activation_forward_gpu_memory(self, layer_id: int) -> None:
         """Make the current stream wait for ``layer_id``'s offload, then free its memory.

@@ -360,7 +360,11 @@ class OffloadSynchronizer:
         """Work due when ``layer_id``'s forward begins."""
 
     def _on_forward_end(self, layer_id: int) -> None:
-        """Work due when ``layer_id``'s forward has ended."""
+        """Work due when ``layer_id``'s forward has ended: where its copies were queued
+        in it, its saved casts go now (NOTE [Parts of a layer] in ``_layer_parts.py``)."""
+        state = self.layers[layer_id]
+        if state.phase is LayerPhase.OFFLOAD_STARTED:
+            state.let_casts_go()
 
     def _on_backward_start(self, layer_id: int) -> None:
         """Work due when ``layer_id``'s backward begins."""
