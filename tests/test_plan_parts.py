@@ -270,3 +270,22 @@ def test_search_with_parts_matches_brute_force(seed: int) -> None:
         assert plan.step_ms <= whole.step_ms + 1e-9
     if seed == 0:
         assert found_parts, "the brute-force case should choose some part by part plan"
+
+
+def test_a_layers_copies_queue_after_its_last_offloaded_part() -> None:
+    # The engine queues the copies once the last offloaded part has run (NOTE [Parts of a
+    # layer]): after the projection, 1 of the forward's 3.5 device ms and 0.5 of the
+    # parts' 1.25 host ms; after the core, 1.5 ms and 0.75 ms; a whole layer at its end.
+    assert use_of(LAYER, _parts(proj=OFF), True).queued_share == pytest.approx(1 / 3.5)
+    assert use_of(LAYER, _parts(proj=OFF), True).queued_host_share == pytest.approx(0.4)
+    core = use_of(LAYER, _parts(proj=OFF, core=OFF), True)
+    assert (core.queued_share, core.queued_host_share) == pytest.approx((1.5 / 3.5, 0.6))
+    assert use_of(LAYER, _parts(mlp=OFF), True).queued_share == 1.0
+    assert use_of(LAYER, OFF, True).queued_share == 1.0
+    # A host-bound layer (10 ms to enqueue) whose next layer's forward waits for its
+    # copies: the projection's 10 bytes at 2 bytes a ms, queued at 4 ms, are done at 9,
+    # before the next layer starts at 10; the MLP's 80 bytes, queued at 10, end at 50.
+    layer = replace(LAYER, host=HostCost(10.0, 10.0))
+    profile = Profile((layer,) * 2, Link(2e-6, 1.0))
+    assert estimate(profile, [_parts(proj=OFF), K]).stall_ms == 0.0
+    assert estimate(profile, [_parts(mlp=OFF), K]).stall_ms == pytest.approx(40.0, abs=1e-3)

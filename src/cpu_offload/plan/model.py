@@ -419,16 +419,19 @@ def estimate(profile: Profile, choices: Sequence[object]) -> Estimate:
         run_point(Point(True, j))
         # A recomputed layer's (or part's) saved tensors live only during its forward.
         tl.alloc(use.resident + use.moved + use.recast)
+        host_start = tl.host
         start, end = tl.compute(
             cost.forward_ms, use.forward_extra + cost.workspace_bytes, use.host_forward_ms
         )
         if use.offloaded:
             # The engine queues a layer's copies when the host has enqueued the layer
-            # (at the next layer's start); each then waits for its tensor to be saved,
-            # and the last ends after the layer.
-            queued = max(start, tl.host)
+            # (at the next layer's start), or its last offloaded part (NOTE [Parts of a
+            # layer] in cpu_offload/_layer_parts.py); each then waits for its tensor to
+            # be saved, and the last ends after that part.
+            queued = max(start, host_start + use.queued_host_share * use.host_forward_ms)
+            saved = max(start + use.queued_share * cost.forward_ms, queued)
             tl.copies.run_until(queued)
-            offload_job[j] = tl.copies.queue("d2h", queued, use.moved + use.copied, end)
+            offload_job[j] = tl.copies.queue("d2h", queued, use.moved + use.copied, saved)
         # Saved casts go when the layer's copies are queued (or its forward ends, where
         # it moves nothing), and are cast again in its backward (NOTE [Casts rebuilt
         # from their source] in engine/recast.py).

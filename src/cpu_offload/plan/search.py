@@ -198,6 +198,8 @@ def _figures(use: Use) -> tuple[float, ...]:
         use.host_forward_ms,
         use.host_backward_ms,
         -use.ahead_ms,
+        use.queued_share,
+        use.queued_host_share,
     )
 
 

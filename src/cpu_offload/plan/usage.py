@@ -47,6 +47,11 @@ class Use:
         last_share: The share of the rest of its backward that waits for the last of its
             copies back (NOTE [Reloads in the order backward reads] in
             ``cpu_offload/engine/reload_order.py``); the rest runs beside them.
+        queued_share: The share of its forward, on the device's clock, that has run when
+            the engine queues its copies: 1 for a whole offloaded layer (at its end), less
+            where its last offloaded part runs before the rest of it (NOTE [Parts of a
+            layer] in ``cpu_offload/_layer_parts.py``).
+        queued_host_share: The same share on the host's clock.
     """
 
     resident: int
@@ -61,6 +66,8 @@ class Use:
     offloaded: bool = False
     ahead_ms: float = 0.0
     last_share: float = 1.0
+    queued_share: float = 1.0
+    queued_host_share: float = 1.0
 
 
 def is_offloaded(choice: Choice | Parts) -> bool:
@@ -202,6 +209,7 @@ def _use_of_parts(cost: LayerCost, parts: Parts, engaged: bool) -> Use:
                 rerun_share, host.recompute_backward_ms, n_rerun, host.part_recompute_backward_ms
             )
         )
+    queued_share, queued_host_share = _queued_shares(cost, parts)
     return Use(
         resident,
         moved,
@@ -218,6 +226,8 @@ def _use_of_parts(cost: LayerCost, parts: Parts, engaged: bool) -> Use:
         last_share=last_read_share(storages[min(copies)].offload_bytes, moved + copied)
         if copies
         else 1.0,
+        queued_share=queued_share,
+        queued_host_share=queued_host_share,
     )
 
 
@@ -255,10 +265,39 @@ def _ahead_ms(cost: LayerCost, sent: set[int]) -> float:
     """
     if not sent:
         return 0.0
-    last = max(sent)
-    total = sum(p.forward_ms for p in cost.parts)
-    later = sum(p.forward_ms for p in cost.parts if p.saved and min(p.saved) > last)
-    return cost.backward_ms * later / total if total > 0 else 0.0
+    later = _share_after(cost, max(sent), [p.forward_ms for p in cost.parts])
+    return 0.0 if later is None else cost.backward_ms * later
+
+
+def _queued_shares(cost: LayerCost, parts: Parts) -> tuple[float, float]:
+    """The shares of the layer's forward, on the device's clock and on the host's, that
+    have run when its last offloaded part has (NOTE [Parts of a layer] in
+    ``cpu_offload/_layer_parts.py``): all but the parts that save only after the last
+    storage an offloaded part saves (:func:`_share_after`). A clock on which the parts
+    were not timed counts as the other; (1, 1) where neither was.
+    """
+    sent = [
+        max(p.saved)
+        for p, (_, c) in zip(cost.parts, parts.choices, strict=True)
+        if c is Choice.OFFLOAD and p.saved
+    ]
+    if not sent:
+        return 1.0, 1.0
+    device = _share_after(cost, max(sent), [p.forward_ms for p in cost.parts])
+    host = _share_after(cost, max(sent), [p.host_ms for p in cost.parts])
+    if device is None:
+        device = 0.0 if host is None else host
+    return 1.0 - device, 1.0 - (device if host is None else host)
+
+
+def _share_after(cost: LayerCost, last: int, times: list[float]) -> float | None:
+    """The share of ``times`` (one per part) of the parts that save only after storage
+    ``last``; None where they add up to nothing."""
+    total = sum(times)
+    if total <= 0:
+        return None
+    after = (t for p, t in zip(cost.parts, times, strict=True) if p.saved and min(p.saved) > last)
+    return sum(after) / total
 
 
 def layer_bytes(cost: LayerCost, choice: Choice | Parts) -> tuple[int, int, int, int]:
