@@ -129,15 +129,21 @@ def test_a_backward_runs_until_it_needs_what_a_part_offloaded() -> None:
 def test_a_backward_runs_beside_the_copies_of_an_offloaded_part() -> None:
     # The core offloaded: its 120 bytes come back in 12 ms (1e-5 GB/s), from the start of
     # the layer's backward, the first saved (the projection's output, 20 bytes) last.
-    # The backward runs the MLP's 4 ms first, then the core's and the projection's 3 ms
-    # beside the copies; only the sixth of them that reads the projection's output (its
-    # share of the bytes) waits for the last copy: it starts at 12 - 2.5 = 9.5 ms, a
-    # stall of 5.5 ms (8 ms if the whole reload came first).
+    # The backward runs the MLP's 4 ms first, then the core's 1 ms and the projection's
+    # 2 ms (their shares of the forward) beside the copies. The part of the core's that
+    # reads the projection's output (its share of the core's bytes, a sixth) waits for the
+    # last copy, and the projection's after it: 2 1/6 of the 3 ms start at 12 ms, the
+    # rest, 5/6 ms, starts at 11 1/6 ms, a stall of 7 1/6 ms (8 if the whole reload came
+    # first, 5.5 if the reads spread over the 3 ms as the bytes do).
     keep = estimate(Profile((LAYER,) * 2, Link(1e-4, 1e-5)), [K, K])
-    assert use_of(LAYER, _parts(core=OFF), True).last_share == pytest.approx(20 / 120)
+    share = (0.5 / 6 + 1.0) / 1.5
+    assert use_of(LAYER, _parts(core=OFF), True).last_share == pytest.approx(share)
     est = estimate(Profile((LAYER,) * 2, Link(1e-4, 1e-5)), [_parts(core=OFF), K])
-    assert est.stall_ms == pytest.approx(5.5)
-    assert est.step_ms == pytest.approx(keep.step_ms + 5.5)
+    assert est.stall_ms == pytest.approx(7 + 1 / 6)
+    assert est.step_ms == pytest.approx(keep.step_ms + 7 + 1 / 6)
+    # The MLP offloaded: it sends one storage, which its backward reads, and the core's and
+    # the projection's come after it: the whole backward waits for that copy.
+    assert use_of(LAYER, _parts(mlp=OFF), True).last_share == 1.0
 
 
 def test_a_recomputed_part_costs_the_host_its_share_of_the_layer() -> None:
