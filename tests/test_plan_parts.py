@@ -295,3 +295,37 @@ def test_a_layers_copies_queue_after_its_last_offloaded_part() -> None:
     profile = Profile((layer,) * 2, Link(2e-6, 1.0))
     assert estimate(profile, [_parts(proj=OFF), K]).stall_ms == 0.0
     assert estimate(profile, [_parts(mlp=OFF), K]).stall_ms == pytest.approx(40.0, abs=1e-3)
+
+
+def test_which_parts_wait_for_the_last_copy_back() -> None:
+    storages = tuple(Storage(10, 10) for _ in range(6))
+
+    def last_share(parts: tuple[PartCost, ...], choices: tuple[Choice, ...]) -> float:
+        layer = LayerCost(3.0, 6.0, 60, 60, 10, storages=storages, parts=parts)
+        plan = Parts(tuple((p.name, c) for p, c in zip(parts, choices, strict=True)))
+        return use_of(layer, plan, True).last_share
+
+    # A parallel residual: the norm's output (1) taken by the attention (offloaded) and the
+    # MLP (kept, its device copy read): only the attention's tenth that reads storage 1
+    # and the norm's backward after it wait, not the MLP's.
+    parallel = (
+        PartCost("norm", 0.1, 0.0, saved=(0,), inputs=(0,)),
+        PartCost("attn", 1.0, 0.0, saved=(1, 2), inputs=(1,)),
+        PartCost("mlp", 2.0, 0.0, saved=(1, 3), inputs=(1,)),
+    )
+    assert last_share(parallel, (K, OFF, K)) == pytest.approx((0.1 + 1.0 * 10 / 20) / 3.1)
+    # Two offloaded parts save it (q and k of one input): the one the forward ran last
+    # reads it first in backward and waits its bytes' share, the other wholly.
+    siblings = (
+        PartCost("q", 1.0, 0.0, saved=(0, 1), inputs=(0,)),
+        PartCost("k", 1.0, 0.0, saved=(0, 2), inputs=(0,)),
+        PartCost("core", 1.0, 0.0, saved=(3,), inputs=(1, 2)),
+    )
+    assert last_share(siblings, (OFF, OFF, K)) == pytest.approx((1.0 + 10 / 20) / 2.0)
+    # A kept part that saved the layer's input and a later storage ran later: beside.
+    straddling = (
+        PartCost("q", 1.0, 0.0, saved=(1, 2), inputs=()),
+        PartCost("p", 1.0, 0.0, saved=(0, 5), inputs=()),
+        PartCost("r", 1.0, 0.0, saved=(3, 4), inputs=()),
+    )
+    assert last_share(straddling, (OFF, K, K)) == pytest.approx(0.5 / 2.0)

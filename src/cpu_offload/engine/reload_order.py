@@ -28,8 +28,8 @@ saves, the step at 4 offloaded layers of 16 was 2.4 to 4.2 ms (about 2%) shorter
 the pairs differed by +5.0 to -2.9 ms, no difference shown (docs/benchmarks.md,
 2026-11-27). Where only parts of a layer are offloaded, the planner takes the share from
 the parts' times instead: the backward of each part that saved only before what comes
-back last waits for it, whatever its share of the bytes (``_last_share`` in
-``plan/usage.py``).
+back last waits for it, whatever its share of the bytes, and the part that reads it the
+share of its own time that those bytes are (``_last_share`` in ``plan/usage.py``).
 """
 
 from __future__ import annotations

@@ -198,6 +198,7 @@ def _figures(use: Use) -> tuple[float, ...]:
         use.host_forward_ms,
         use.host_backward_ms,
         -use.ahead_ms,
+        use.last_share,
         use.queued_share,
         use.queued_host_share,
     )

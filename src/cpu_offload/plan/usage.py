@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..engine.reload_order import last_read_share
-from .costs import Choice, HostCost, LayerCost, Parts
+from .costs import Choice, HostCost, LayerCost, PartCost, Parts
 
 __all__ = ["Use", "is_offloaded", "layer_bytes", "use_of"]
 
@@ -222,7 +222,7 @@ def _use_of_parts(cost: LayerCost, parts: Parts, engaged: bool) -> Use:
         host_backward_ms=host_b,
         offloaded=parts.offloads,
         ahead_ms=_ahead_ms(cost, copies),
-        last_share=_last_share(cost, copies),
+        last_share=_last_share(cost, parts, copies - recast),
         queued_share=queued_share,
         queued_host_share=queued_host_share,
     )
@@ -266,33 +266,42 @@ def _ahead_ms(cost: LayerCost, sent: set[int]) -> float:
     return 0.0 if later is None else cost.backward_ms * later
 
 
-def _last_share(cost: LayerCost, sent: set[int]) -> float:
+def _last_share(cost: LayerCost, parts: Parts, sent: set[int]) -> float:
     """The share of the layer's backward after :func:`_ahead_ms` that waits for the last
     of the storages ``sent`` back (NOTE [Reloads in the order backward reads] in
-    ``cpu_offload/engine/reload_order.py``).
+    ``cpu_offload/engine/reload_order.py``), with ``parts`` its choices.
 
-    What comes back last is the first storage the forward saved of those sent. The parts
-    that saved only before it run their backward after it is back, and the part that
-    saved it the share of its time that its bytes are of what that part sent; the rest
-    runs beside the copies. A whole layer's bytes spread over its backward
+    What comes back last is the first storage the forward saved of those sent. The
+    backward of the parts that saved only before it runs after it is back. Of the
+    offloaded parts that saved it, the one the forward ran last (saved the latest
+    storage) waits the share of its time that its bytes are of what it sent, the others
+    wholly. The parts that saved after it run beside the copies, and a part that saved
+    nothing counts as the others do. A whole layer's bytes spread over its backward
     (:func:`last_read_share`); a part's over its own: with the MLP of a Llama layer
     offloaded, its attention's backward waits for the MLP's copies (H200: each layer's
     backward took its 3.7 ms of copies back and 1.7 ms more, which the bytes' spread
-    over the whole layer modelled as 0.2 ms more).
+    over the whole layer modelled as 0.2 ms more). The order is the storages', with the
+    limits :func:`_ahead_ms` names.
     """
     if not sent:
         return 1.0
     first, last = min(sent), max(sent)
     storages = cost.storages
-    waiting = rest = 0.0  # the parts' times after the ahead ones: waiting, or beside
+    holders = [
+        p
+        for p, (_, c) in zip(cost.parts, parts.choices, strict=True)
+        if c is Choice.OFFLOAD and first in p.saved
+    ]
+    reader = max(holders, key=lambda p: max(p.saved), default=None)
+    waiting = rest = 0.0  # the times of the parts not ahead of the copies, and waiting
     for part in cost.parts:
-        if part.saved and min(part.saved) > last:
-            continue  # ahead of the copies (_ahead_ms)
+        if not part.saved or _saves_after(part, last):
+            continue
         rest += part.forward_ms
-        if first in part.saved:
+        if part is reader:
             own = sum(storages[i].offload_bytes for i in part.saved if i in sent)
-            waiting += part.forward_ms * (storages[first].offload_bytes / own if own else 1.0)
-        elif part.saved and min(part.saved) < first:
+            waiting += part.forward_ms * storages[first].offload_bytes / own
+        elif part in holders or max(part.saved) < first:
             waiting += part.forward_ms
     return min(waiting / rest, 1.0) if rest > 0 else 1.0
 
@@ -302,7 +311,9 @@ def _queued_shares(cost: LayerCost, parts: Parts) -> tuple[float, float]:
     have run when its last offloaded part has (NOTE [Parts of a layer] in
     ``cpu_offload/_layer_parts.py``): all but the parts that save only after the last
     storage an offloaded part saves (:func:`_share_after`). A clock on which the parts
-    were not timed counts as the other; (1, 1) where neither was.
+    were not timed counts as the other; (1, 1) where neither was. The order is the
+    storages', with the limits :func:`_ahead_ms` names: an offloaded part that saves only
+    the layer's input counts as run first, however late it runs.
     """
     sent = [
         max(p.saved)
@@ -324,8 +335,12 @@ def _share_after(cost: LayerCost, last: int, times: list[float]) -> float | None
     total = sum(times)
     if total <= 0:
         return None
-    after = (t for p, t in zip(cost.parts, times, strict=True) if p.saved and min(p.saved) > last)
-    return sum(after) / total
+    return sum(t for p, t in zip(cost.parts, times, strict=True) if _saves_after(p, last)) / total
+
+
+def _saves_after(part: PartCost, last: int) -> bool:
+    """Whether ``part`` saves something, and all of it after storage ``last``."""
+    return bool(part.saved) and min(part.saved) > last
 
 
 def layer_bytes(cost: LayerCost, choice: Choice | Parts) -> tuple[int, int, int, int]:
