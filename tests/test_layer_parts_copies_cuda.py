@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_layer_parts import Block
+from test_layer_parts_cuda import _assert_same
 from torch import nn
 
 from cpu_offload import offload_layers
@@ -88,13 +89,6 @@ def _train(model: nn.Module, batches: list[torch.Tensor]) -> list:  # type: igno
         peak = torch.cuda.memory_stats()["requested_bytes.all.peak"] - base
         out.append((loss.detach(), [p.grad.clone() for p in model.parameters()], peak))
     return out
-
-
-def _assert_same(got, want) -> None:  # type: ignore[no-untyped-def]
-    for i, ((loss, grads, _), (ref_loss, ref_grads, _)) in enumerate(zip(got, want, strict=True)):
-        assert torch.equal(loss, ref_loss), (i, loss, ref_loss)
-        for g, r in zip(grads, ref_grads, strict=True):
-            assert torch.equal(g, r), f"step {i}: max |diff| {(g.float() - r.float()).abs().max()}"
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
